@@ -1,0 +1,121 @@
+"""Request bookkeeping: what was asked (``Transfer``), its live state (``RequestHandle``), and
+what one ``Endpoint.poll()`` reports (``PollResult``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import TransferError
+
+__all__ = ["ControlMessage", "Op", "PeerKey", "PollResult", "RemoteEvent", "RequestHandle", "RequestState", "Transfer"]
+
+Op = Literal["READ", "WRITE"]
+PeerKey = int | str
+
+
+class Transfer(NamedTuple):
+    """One batch of descriptor pairs between this endpoint and one peer, as the planner emits it.
+
+    Attributes:
+        peer: the key the peer was connected under (typically the remote rank).
+        local_key: name of a local table (``"whole"``, ``"split:0"``...).
+        remote_key: name of one of the peer's tables.
+        local_ids: int32 descriptor ids into the local table.
+        remote_ids: int32 descriptor ids into the remote table, paired with ``local_ids``.
+    """
+
+    peer: PeerKey
+    local_key: str
+    remote_key: str
+    local_ids: npt.NDArray[np.int32]
+    remote_ids: npt.NDArray[np.int32]
+
+
+class RequestState(enum.Enum):
+    """Lifecycle of a request: waiting for a handshake, in flight, or finished."""
+
+    QUEUED = "queued"
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A request posted with ``Endpoint.post`` (or awaited with ``Endpoint.expect``).
+
+    Attributes:
+        request_id: the caller's id.
+        op: ``"READ"`` (pull), ``"WRITE"`` (push), or ``None`` for a passively awaited request.
+        transfers: the checked transfers, ids as int32 arrays.
+        deadline: ``time.monotonic()`` value after which the request fails.
+        state: current ``RequestState``.
+        error: the ``TransferError`` once failed.
+    """
+
+    request_id: str
+    op: Op | None
+    transfers: tuple[Transfer, ...]
+    deadline: float
+    state: RequestState = RequestState.QUEUED
+    error: TransferError | None = None
+    # one slot per transfer: the NIXL xfer handle while it exists, and whether it reached DONE
+    _xfers: list[Any] = field(default_factory=list, repr=False)
+    _done: list[bool] = field(default_factory=list, repr=False)
+    # passive requests: senders still owed, senders seen
+    _senders: int = 0
+    _seen: set[str] = field(default_factory=set, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request is DONE or FAILED."""
+        return self.state in (RequestState.DONE, RequestState.FAILED)
+
+    @property
+    def peers(self) -> frozenset[PeerKey]:
+        """The peers this request moves data with."""
+        return frozenset(t.peer for t in self.transfers)
+
+
+class RemoteEvent(NamedTuple):
+    """A peer's request that touched our memory finished (``reason`` is empty when it succeeded)."""
+
+    sender: str
+    request_id: str
+    reason: str = ""
+
+
+class ControlMessage(NamedTuple):
+    """An opaque control payload received on the side channel, with the sender's endpoint name."""
+
+    sender: str
+    payload: bytes
+
+
+@dataclass
+class PollResult:
+    """Everything that happened since the previous ``poll()``.
+
+    Attributes:
+        done: ids of this endpoint's requests whose every transfer reached DONE.
+        failed: one ``TransferError`` per failed request (``.request_id``, ``.failed`` set).
+        remote_done: requests of other endpoints whose data fully landed (or was fully read).
+        remote_failed: requests of other endpoints that reported failure.
+        control: control messages received on the side channel.
+        notifs: NIXL notifications that are not hybrid-kv's, as ``(sender, message)``.
+    """
+
+    done: list[str] = field(default_factory=list)
+    failed: list[TransferError] = field(default_factory=list)
+    remote_done: list[RemoteEvent] = field(default_factory=list)
+    remote_failed: list[RemoteEvent] = field(default_factory=list)
+    control: list[ControlMessage] = field(default_factory=list)
+    notifs: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any((self.done, self.failed, self.remote_done, self.remote_failed, self.control, self.notifs))

@@ -1,0 +1,19 @@
+//! The pure planning core: plain integers in, plain integers out; it never dereferences an address.
+#![forbid(unsafe_code)]
+
+pub mod descs;
+pub mod error;
+pub mod layout;
+pub mod region;
+pub mod spec;
+
+pub use descs::{DescTable, StridedRow};
+pub use error::LayoutError;
+pub use layout::{LayerInput, LayerMemory, MemType, RankLayout};
+pub use region::{GroupKind, Region, RegionTable};
+pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec};
+pub mod fixtures;
+mod natural;
+
+#[cfg(test)]
+mod region_tests;

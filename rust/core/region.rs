@@ -1,0 +1,408 @@
+//! The region table: one region per distinct base address, with its kernel-block geometry.
+//!
+//! HMA pools layer *i* of every KV-cache group into one tensor, so one region can be an MLA page and an
+//! SSM state at the same time. The region is MLA if *any* sharer is MLA (OR-merge), and every sharer must
+//! agree on the kernel page, so the result never depends on the order layers are given in.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::LayoutError;
+use super::layout::{LayerInput, MemType, RankLayout};
+use super::natural::natural_cmp;
+use super::spec::{ConvSplit, LayerSpec};
+
+/// What a KV-cache group holds, which decides how it is split across TP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupKind {
+    /// Non-MLA attention (heads split across TP).
+    Attention,
+    /// MLA attention (replicated on every TP rank).
+    Mla,
+    /// SSM state (sharded across TP; one state per logical block).
+    Ssm,
+}
+
+impl GroupKind {
+    /// True for attention and MLA groups (the ones addressed per kernel block).
+    pub fn is_attention(self) -> bool {
+        !matches!(self, GroupKind::Ssm)
+    }
+
+    fn of(spec: &LayerSpec) -> GroupKind {
+        if spec.is_mla() {
+            GroupKind::Mla
+        } else if spec.is_ssm() {
+            GroupKind::Ssm
+        } else {
+            GroupKind::Attention
+        }
+    }
+}
+
+/// One registered memory region (a distinct base address).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    /// Name of the first layer (in natural order) that maps this region.
+    pub name: String,
+    /// Base address.
+    pub base: u64,
+    /// Registered bytes from `base`.
+    pub bytes: u64,
+    /// Kernel-granular page (the attention transfer unit).
+    pub block_len: u64,
+    /// Bytes between kernel blocks.
+    pub block_stride: u64,
+    /// Kernel blocks in the region.
+    pub num_blocks: u64,
+    /// REPLICATE (true: some sharer is MLA) or SPLIT (heads sharded).
+    pub is_mla: bool,
+    /// Group of every sharer, or `None` when groups share the region.
+    pub group: Option<u32>,
+    /// Whether some sharer is an SSM layer.
+    pub has_ssm: bool,
+}
+
+/// Block geometry of a rank: logical versus kernel blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockGeometry {
+    /// Tokens per logical block.
+    pub logical_block_size: u64,
+    /// Tokens per kernel block.
+    pub kernel_block_size: u64,
+    /// Kernel blocks per logical block (`ppl`).
+    pub ppl: u64,
+    /// Logical blocks.
+    pub num_logical_blocks: u64,
+    /// Kernel blocks (`num_logical_blocks * ppl`).
+    pub num_kernel_blocks: u64,
+}
+
+/// The region table of one rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionTable {
+    /// Regions in natural layer-name order.
+    pub regions: Vec<Region>,
+    /// Indices of regions hosting SSM layers, in first-touch order.
+    pub ssm_regions: Vec<usize>,
+    /// Kind of every KV-cache group, in group order.
+    pub groups: Vec<GroupKind>,
+    /// Block geometry.
+    pub geometry: BlockGeometry,
+    /// SSM state layout on this rank, when the model has SSM layers.
+    pub conv_split: Option<ConvSplit>,
+    /// Model-level MLA: every attention group is MLA.
+    pub use_mla: bool,
+    /// Total KV heads across TP (1 for MLA).
+    pub total_num_kv_heads: u64,
+    /// This rank's TP index.
+    pub tp_rank: u32,
+    /// TP size.
+    pub tp_size: u32,
+    /// Device index of every region.
+    pub device: u32,
+    /// Memory type of every region.
+    pub mem_type: MemType,
+}
+
+/// A layer's region view after applying the block geometry.
+struct LayerView {
+    block_len: u64,
+    block_stride: u64,
+    num_blocks: u64,
+}
+
+fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, LayoutError> {
+    let name = &layer.name;
+    let page = layer.spec.page_bytes(geo.logical_block_size, name)?;
+    let not_div = |what: &str, value: u64| LayoutError::NotDivisibleByPpl {
+        layer: name.clone(),
+        what: what.to_string(),
+        value,
+        ppl: geo.ppl,
+    };
+    if page % geo.ppl != 0 {
+        return Err(not_div("page", page));
+    }
+    let block_len = page / geo.ppl;
+    let mem = &layer.memory;
+    let (block_stride, holds, unit_len, unit_stride) = if layer.spec.is_ssm() {
+        // SSM views are indexed by logical block (one whole state each).
+        let stride = if mem.block_stride == 0 { page } else { mem.block_stride };
+        if stride % geo.ppl != 0 {
+            return Err(not_div("stride", stride));
+        }
+        (stride / geo.ppl, geo.num_logical_blocks, page, stride)
+    } else {
+        let stride = if mem.block_stride == 0 { block_len } else { mem.block_stride };
+        let n = mem.num_blocks.unwrap_or(geo.num_kernel_blocks);
+        (stride, n, block_len, stride)
+    };
+    if unit_stride < unit_len {
+        return Err(LayoutError::StrideTooSmall { layer: name.clone(), stride: unit_stride, block_len: unit_len });
+    }
+    if holds == 0 {
+        return Err(LayoutError::Zero { what: format!("number of blocks of layer {name}") });
+    }
+    let needed = (holds - 1)
+        .checked_mul(unit_stride)
+        .and_then(|v| v.checked_add(unit_len))
+        .ok_or_else(|| LayoutError::AddressOverflow { what: format!("extent of {name}"), addr: 0, len: holds })?;
+    if needed > mem.bytes {
+        return Err(LayoutError::TensorTooSmall {
+            layer: name.clone(),
+            bytes: mem.bytes,
+            num_blocks: holds,
+            block_len: unit_len,
+            stride: unit_stride,
+            needed,
+        });
+    }
+    let num_blocks = if layer.spec.is_ssm() { geo.num_kernel_blocks } else { holds };
+    Ok(LayerView { block_len, block_stride, num_blocks })
+}
+
+fn geometry(layout: &RankLayout) -> Result<BlockGeometry, LayoutError> {
+    let zero = |what: &str| LayoutError::Zero { what: what.to_string() };
+    if layout.tp_size == 0 {
+        return Err(zero("tp_size"));
+    }
+    if layout.tp_rank >= layout.tp_size {
+        return Err(LayoutError::Groups(format!(
+            "tp_rank {} is out of range for tp_size {}",
+            layout.tp_rank, layout.tp_size
+        )));
+    }
+    if layout.logical_block_size == 0 {
+        return Err(zero("logical_block_size"));
+    }
+    if layout.kernel_block_size == 0 {
+        return Err(zero("kernel_block_size"));
+    }
+    if layout.num_logical_blocks == 0 {
+        return Err(zero("num_logical_blocks"));
+    }
+    if layout.logical_block_size % layout.kernel_block_size != 0 {
+        return Err(LayoutError::KernelBlockNotDividing {
+            kernel: layout.kernel_block_size,
+            logical: layout.logical_block_size,
+        });
+    }
+    let ppl = layout.logical_block_size / layout.kernel_block_size;
+    let num_kernel_blocks = layout.num_logical_blocks.checked_mul(ppl).ok_or_else(|| LayoutError::AddressOverflow {
+        what: "kernel block count".into(),
+        addr: layout.num_logical_blocks,
+        len: ppl,
+    })?;
+    Ok(BlockGeometry {
+        logical_block_size: layout.logical_block_size,
+        kernel_block_size: layout.kernel_block_size,
+        ppl,
+        num_logical_blocks: layout.num_logical_blocks,
+        num_kernel_blocks,
+    })
+}
+
+fn group_kinds(layers: &[&LayerInput]) -> Result<Vec<GroupKind>, LayoutError> {
+    let mut kinds: Vec<Option<(GroupKind, &str)>> = Vec::new();
+    for layer in layers {
+        let g = layer.group as usize;
+        if g >= kinds.len() {
+            kinds.resize(g + 1, None);
+        }
+        let kind = GroupKind::of(&layer.spec);
+        match kinds[g] {
+            None => kinds[g] = Some((kind, &layer.name)),
+            Some((k, first)) if k != kind => {
+                return Err(LayoutError::Groups(format!(
+                    "group {g} mixes {k:?} layer {first} with {kind:?} layer {}",
+                    layer.name
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    kinds
+        .into_iter()
+        .enumerate()
+        .map(|(g, k)| {
+            k.map(|(kind, _)| kind)
+                .ok_or_else(|| LayoutError::Groups(format!("group {g} has no layers; group ids must be 0..n-1")))
+        })
+        .collect()
+}
+
+impl RegionTable {
+    /// Build the region table of one rank.
+    ///
+    /// # Errors
+    /// A [`LayoutError`] naming the bad value: zero sizes, a kernel block that does not divide the logical
+    /// block, a tensor too small for its blocks, overlapping regions, mixed memory, sharers that disagree on
+    /// the kernel page, an inconsistent SSM spec, or address overflow.
+    pub fn build(layout: &RankLayout) -> Result<RegionTable, LayoutError> {
+        let geo = geometry(layout)?;
+        if layout.layers.is_empty() {
+            return Err(LayoutError::NoLayers);
+        }
+        let mut layers: Vec<&LayerInput> = layout.layers.iter().collect();
+        layers.sort_by(|a, b| natural_cmp(&a.name, &b.name));
+        for pair in layers.windows(2) {
+            if pair[0].name == pair[1].name {
+                return Err(LayoutError::Groups(format!("layer name {} appears twice", pair[0].name)));
+            }
+        }
+        let groups = group_kinds(&layers)?;
+        let first = layers[0];
+        let (device, mem_type) = (first.memory.device, first.memory.mem_type);
+
+        let mut regions: Vec<Region> = Vec::new();
+        let mut owner: Vec<&str> = Vec::new(); // layer that fixed each region's geometry
+        let mut by_base: HashMap<u64, usize> = HashMap::new();
+        let mut ssm_regions: Vec<usize> = Vec::new();
+        let mut conv_split: Option<(ConvSplit, &str)> = None;
+
+        for layer in &layers {
+            let mem = &layer.memory;
+            if (mem.device, mem.mem_type) != (device, mem_type) {
+                return Err(LayoutError::MixedMemory {
+                    layer: layer.name.clone(),
+                    found: format!("{} device {}", mem.mem_type.nixl_name(), mem.device),
+                    first: first.name.clone(),
+                    expected: format!("{} device {}", mem_type.nixl_name(), device),
+                });
+            }
+            mem.base.checked_add(mem.bytes).ok_or_else(|| LayoutError::AddressOverflow {
+                what: format!("tensor of {}", layer.name),
+                addr: mem.base,
+                len: mem.bytes,
+            })?;
+            let view = layer_view(layer, &geo)?;
+            if let LayerSpec::Ssm(ssm) = &layer.spec {
+                let split = ssm.conv_split(&layer.name)?;
+                match &conv_split {
+                    None => conv_split = Some((split, &layer.name)),
+                    Some((s, other)) if *s != split => {
+                        return Err(LayoutError::BadSsmSpec {
+                            layer: layer.name.clone(),
+                            reason: format!("its state layout {split:?} differs from {other}'s {s:?}"),
+                        })
+                    }
+                    Some(_) => {}
+                }
+            }
+            let is_mla = layer.spec.is_mla();
+            let idx = match by_base.get(&mem.base) {
+                Some(&idx) => {
+                    let r = &mut regions[idx];
+                    if (r.block_len, r.block_stride, r.num_blocks) != (view.block_len, view.block_stride, view.num_blocks)
+                    {
+                        return Err(LayoutError::SharedPageMismatch {
+                            a: owner[idx].to_string(),
+                            b: layer.name.clone(),
+                            base: mem.base,
+                            a_len: r.block_len,
+                            b_len: view.block_len,
+                            a_stride: r.block_stride,
+                            b_stride: view.block_stride,
+                        });
+                    }
+                    r.is_mla |= is_mla;
+                    r.bytes = r.bytes.max(mem.bytes);
+                    if r.group != Some(layer.group) {
+                        r.group = None;
+                    }
+                    idx
+                }
+                None => {
+                    by_base.insert(mem.base, regions.len());
+                    owner.push(&layer.name);
+                    regions.push(Region {
+                        name: layer.name.clone(),
+                        base: mem.base,
+                        bytes: mem.bytes,
+                        block_len: view.block_len,
+                        block_stride: view.block_stride,
+                        num_blocks: view.num_blocks,
+                        is_mla,
+                        group: Some(layer.group),
+                        has_ssm: false,
+                    });
+                    regions.len() - 1
+                }
+            };
+            if layer.spec.is_ssm() {
+                regions[idx].has_ssm = true;
+                if !ssm_regions.contains(&idx) {
+                    ssm_regions.push(idx);
+                }
+            }
+        }
+        check_no_overlap(&regions)?;
+        let use_mla = groups.contains(&GroupKind::Mla) && !groups.contains(&GroupKind::Attention);
+        let has_ssm = conv_split.is_some();
+        if has_ssm {
+            // Mamba forces uniform kernel block counts (vLLM does the same).
+            for r in &mut regions {
+                r.num_blocks = geo.num_kernel_blocks;
+            }
+        }
+        Ok(RegionTable {
+            regions,
+            ssm_regions,
+            groups,
+            geometry: geo,
+            conv_split: conv_split.map(|(s, _)| s),
+            use_mla,
+            total_num_kv_heads: if use_mla { 1 } else { layout.total_num_kv_heads.max(1) },
+            tp_rank: layout.tp_rank,
+            tp_size: layout.tp_size,
+            device,
+            mem_type,
+        })
+    }
+
+    /// Whether the model has SSM layers.
+    pub fn has_ssm(&self) -> bool {
+        self.conv_split.is_some()
+    }
+
+    /// Registration descriptors `(addr, bytes, device)`, one per region, in region order.
+    pub fn registration(&self) -> Vec<[u64; 3]> {
+        self.regions.iter().map(|r| [r.base, r.bytes, u64::from(self.device)]).collect()
+    }
+
+    /// Flat count of attention (FA) descriptors at block-size ratio `bsr`.
+    pub fn num_fa_descs(&self, bsr: u64) -> u64 {
+        self.regions.iter().map(|r| r.num_blocks * bsr).sum()
+    }
+
+    /// True when regions belong to different groups, so group ids must be routed per region.
+    pub fn uses_region_group_mapping(&self) -> bool {
+        let mut seen: Vec<Option<u32>> = self.regions.iter().map(|r| r.group).collect();
+        seen.sort();
+        seen.dedup();
+        seen.len() > 1
+    }
+}
+
+fn check_no_overlap(regions: &[Region]) -> Result<(), LayoutError> {
+    let mut order: Vec<&Region> = regions.iter().collect();
+    order.sort_by_key(|r| r.base);
+    for pair in order.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        let a_end = a.base + a.bytes; // checked when the layer was read
+        if a_end > b.base {
+            return Err(LayoutError::Overlap {
+                a: a.name.clone(),
+                a_start: a.base,
+                a_end,
+                b: b.name.clone(),
+                b_start: b.base,
+                b_end: b.base + b.bytes,
+            });
+        }
+    }
+    Ok(())
+}
