@@ -4,11 +4,13 @@
 pub mod descs;
 pub mod error;
 pub mod layout;
+pub mod meta;
 pub mod region;
 pub mod spec;
 
 pub use descs::{DescTable, StridedRow};
 pub use error::LayoutError;
+pub use meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode, META_VERSION};
 pub use layout::{LayerInput, LayerMemory, MemType, RankLayout};
 pub use region::{GroupKind, Region, RegionTable};
 pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec};

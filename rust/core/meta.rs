@@ -1,0 +1,155 @@
+//! What a rank advertises to its peers at the handshake: its identity and its region geometry.
+//!
+//! The planner builds remote descriptor tables from a peer's [`AgentMeta`] alone, so a peer can be planned
+//! for without ever seeing its memory. Encoding, fingerprints and validation live in `handshake`.
+
+use serde::{Deserialize, Serialize};
+
+use super::layout::MemType;
+use super::region::{GroupKind, RegionTable};
+
+/// Version of the metadata format; bumped on any incompatible change.
+pub const META_VERSION: u32 = 1;
+
+/// Who initiates transfers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// Decode READs from prefill.
+    #[default]
+    Pull,
+    /// Prefill WRITEs into decode.
+    Push,
+}
+
+/// Geometry of one advertised region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionMeta {
+    /// Name of the first layer mapping the region (regions must name the same caches on both sides).
+    pub name: String,
+    /// Base address.
+    pub base: u64,
+    /// Kernel page bytes.
+    pub block_len: u64,
+    /// Bytes between kernel blocks.
+    pub block_stride: u64,
+    /// Kernel blocks.
+    pub num_blocks: u64,
+    /// REPLICATE (MLA) flag.
+    pub is_mla: bool,
+    /// Group of every sharer, or `None` when shared by groups.
+    pub group: Option<u32>,
+}
+
+/// Handshake metadata of one rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentMeta {
+    /// Format version ([`META_VERSION`]).
+    pub version: u32,
+    /// Engine id (the whole P or D instance).
+    pub engine_id: String,
+    /// TP rank.
+    pub tp_rank: u32,
+    /// TP size.
+    pub tp_size: u32,
+    /// Device index of the regions.
+    pub device_id: u32,
+    /// Memory type of the regions.
+    pub mem_type: MemType,
+    /// Opaque NIXL agent metadata (`get_agent_metadata()`).
+    #[serde(with = "serde_bytes")]
+    pub agent_metadata: Vec<u8>,
+    /// Regions in order.
+    pub regions: Vec<RegionMeta>,
+    /// Indices of SSM regions in first-touch order.
+    pub ssm_regions: Vec<u32>,
+    /// Kind of every KV-cache group.
+    pub groups: Vec<GroupKind>,
+    /// Tokens per logical block.
+    pub logical_block_size: u64,
+    /// Tokens per kernel block.
+    pub kernel_block_size: u64,
+    /// Kernel blocks per logical block.
+    pub ppl: u64,
+    /// Kernel blocks per region.
+    pub num_blocks: u64,
+    /// Logical blocks.
+    pub num_logical_blocks: u64,
+    /// `(conv_bytes, ssm_bytes)` of one state on this rank; `(0, 0)` without SSM.
+    pub ssm_sizes: (u64, u64),
+    /// Bytes of each conv sub-projection on this rank (empty without SSM).
+    pub conv_proj_bytes: Vec<u64>,
+    /// Model-level MLA flag.
+    pub use_mla: bool,
+    /// Total KV heads across TP (1 for MLA).
+    pub total_num_kv_heads: u64,
+    /// KV layout name (`HND`, ...); hybrid-kv pages are heads-major.
+    pub kv_layout: String,
+    /// Attention backend name.
+    pub attn_backend: String,
+    /// Transfer mode.
+    pub transfer_mode: TransferMode,
+    /// Model compatibility hash (hex SHA-256 over the model factors).
+    pub compat_hash: String,
+}
+
+/// Identity and model facts that are not part of the region table.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct EngineInfo {
+    /// Engine id.
+    pub engine_id: String,
+    /// Opaque NIXL agent metadata.
+    pub agent_metadata: Vec<u8>,
+    /// KV layout name.
+    pub kv_layout: String,
+    /// Attention backend name.
+    pub attn_backend: String,
+    /// Transfer mode.
+    pub transfer_mode: TransferMode,
+    /// Model compatibility hash.
+    pub compat_hash: String,
+}
+
+impl AgentMeta {
+    /// Describe a rank's region table for its peers.
+    pub fn from_table(table: &RegionTable, info: &EngineInfo) -> AgentMeta {
+        let split = table.conv_split.as_ref();
+        AgentMeta {
+            version: META_VERSION,
+            engine_id: info.engine_id.clone(),
+            tp_rank: table.tp_rank,
+            tp_size: table.tp_size,
+            device_id: table.device,
+            mem_type: table.mem_type,
+            agent_metadata: info.agent_metadata.clone(),
+            regions: table
+                .regions
+                .iter()
+                .map(|r| RegionMeta {
+                    name: r.name.clone(),
+                    base: r.base,
+                    block_len: r.block_len,
+                    block_stride: r.block_stride,
+                    num_blocks: r.num_blocks,
+                    is_mla: r.is_mla,
+                    group: r.group,
+                })
+                .collect(),
+            ssm_regions: table.ssm_regions.iter().map(|&i| i as u32).collect(),
+            groups: table.groups.clone(),
+            logical_block_size: table.geometry.logical_block_size,
+            kernel_block_size: table.geometry.kernel_block_size,
+            ppl: table.geometry.ppl,
+            num_blocks: table.geometry.num_kernel_blocks,
+            num_logical_blocks: table.geometry.num_logical_blocks,
+            ssm_sizes: split.map_or((0, 0), |s| (s.conv_bytes, s.ssm_bytes)),
+            conv_proj_bytes: split.map_or_else(Vec::new, |s| s.proj_bytes.clone()),
+            use_mla: table.use_mla,
+            total_num_kv_heads: table.total_num_kv_heads,
+            kv_layout: info.kv_layout.clone(),
+            attn_backend: info.attn_backend.clone(),
+            transfer_mode: info.transfer_mode,
+            compat_hash: info.compat_hash.clone(),
+        }
+    }
+}
