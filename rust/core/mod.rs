@@ -5,6 +5,7 @@ pub mod descs;
 pub mod error;
 pub mod layout;
 pub mod meta;
+pub mod ratio;
 pub mod region;
 pub mod spec;
 
