@@ -125,7 +125,8 @@ class Endpoint:
         try:
             params = {"ucx_error_handling_mode": ucx_error_handling_mode} if backend == "UCX" else {}
             self._agent.create_backend(backend, params)
-            self._reg = self._agent.register_memory(registration_array(registration), mem_type)
+            self._reg_rows = registration_array(registration)
+            self._reg = self._agent.register_memory(self._reg_rows, mem_type)
             self._tables = {key: DescTable(key, np.asarray(rows)) for key, rows in local_tables.items()}
             self._local = {key: self._prep(_LOCAL, table) for key, table in self._tables.items()}
             self._nixl_md: bytes = self._agent.get_agent_metadata()
@@ -369,11 +370,7 @@ class Endpoint:
             self._finish(req)
 
     def _drain_notifs(self) -> None:
-        try:
-            notifs = self._agent.get_new_notifs()
-        except _CALL_ERRORS as exc:  # not fatal: progress continues on the next poll
-            self._events.notifs.append(("", f"get_new_notifs failed: {exc}".encode()))
-            return
+        notifs = self._agent.get_new_notifs()  # also progresses the passive side (NIXL notes §4.3)
         for raw_sender, msgs in notifs.items():
             sender = raw_sender.decode() if isinstance(raw_sender, bytes) else str(raw_sender)
             for msg in msgs:
@@ -442,7 +439,7 @@ class Endpoint:
                 table = DescTable(key, np.asarray(rows))
                 peer.tables[key] = table
                 peer.dlists[key] = self._prep(peer.agent_name, table)
-        except (*_CALL_ERRORS, HandshakeError) as exc:
+        except Exception as exc:  # NIXL errors and whatever the user's tables callback raises
             return self._peer_down(peer, f"handshake with {where} failed: {type(exc).__name__}: {exc}")
         peer.state = "ready"
         for req in self._live_for(peer.key):
@@ -477,7 +474,7 @@ class Endpoint:
             raise TransferError(f"peer {t.peer!r} is down: {peer.reason}", request_id=rid)
         try:
             local_ids = check_ids(t.local_ids, local, "local")
-            remote_ids = np.ascontiguousarray(t.remote_ids, dtype=np.int32)
+            remote_ids = np.asarray(t.remote_ids)  # checked once the peer's tables are known
             if peer.state == "ready":
                 remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, local_ids)
         except TransferError as exc:
@@ -618,8 +615,8 @@ class Endpoint:
         """Detect once whether ``prep_xfer_dlist`` takes ``(N, 5)`` strided rows (nixl >= 1.5)."""
         global _strided_ok
         if _strided_ok is None:
-            base = int(self._reg[0].addr) if hasattr(self._reg[0], "addr") else None
-            probe = np.array([[base or 0, 1, 0, 1, 1]], dtype=np.uint64)
+            addr, _, dev = (int(v) for v in self._reg_rows[0])
+            probe = np.array([[addr, 1, dev, 1, 1]], dtype=np.uint64)
             try:
                 self._agent.prep_xfer_dlist(_LOCAL, probe, self.mem_type).release()
                 _strided_ok = True
