@@ -1,0 +1,166 @@
+"""Endpoint behaviour with two real NIXL agents in one process (fast): checks before posting,
+handshake failures, queued requests, passive deadlines and handle accounting."""
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+from _peers import BLOCK, BLOCKS, expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
+
+from hybrid_kv.transport import Endpoint, HandshakeError, RequestState, TransferError
+
+ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]]:
+    src, dst = pattern(1), pattern(2)
+
+    def provider(rank: int) -> bytes:
+        if rank != 0:
+            raise KeyError(f"no rank {rank} here")
+        return payload_for(src)
+
+    p = Endpoint("P", registration(src.ctypes.data), tables(src.ctypes.data), metadata_provider=provider)
+    d = Endpoint("D", registration(dst.ctypes.data), tables(dst.ctypes.data))
+    with p, d:
+        yield p, d, src, dst
+    assert p.handle_counts() == ZERO and d.handle_counts() == ZERO
+
+
+def ids(*v: int) -> np.ndarray:
+    return np.array(v, dtype=np.int32)
+
+
+def test_loopback_read_all_table_forms(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, src, dst = pair
+    d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    before = dst.copy()
+    d.post("r", [(0, "whole", "blocks3", ids(0, 5), ids(7, 1)), (0, "halves", "halves", ids(9, 2), ids(3, 12))], "READ", 2.0)
+    ev = pump(d, lambda e: e.done or e.failed, 3.0, others=[p])
+    assert ev.done == ["r"] and not ev.failed
+    want = expected_after(before, src, "whole", [0, 5], [7, 1])
+    want = expected_after(want, src, "halves", [9, 2], [3, 12])
+    assert np.array_equal(dst, want)
+    assert d.handle_counts()["xfer"] == 0
+
+
+def test_bad_ids_rejected_before_posting(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, _, _ = pair
+    d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    with pytest.raises(TransferError, match=f"local descriptor id {BLOCKS} out of range for table 'whole' of {BLOCKS} descriptors"):
+        d.post("r", [(0, "whole", "whole", ids(0, BLOCKS), ids(0, 1))], "READ", 1.0)
+    with pytest.raises(TransferError, match=f"remote descriptor id 99 out of range for table 'halves' of {2 * BLOCKS}"):
+        d.post("r", [(0, "halves", "halves", ids(0), ids(99))], "READ", 1.0)
+    with pytest.raises(TransferError, match="2 local ids but 1 remote ids"):
+        d.post("r", [(0, "whole", "whole", ids(0, 1), ids(0))], "READ", 1.0)
+    with pytest.raises(TransferError, match="unknown remote table 'nope'"):
+        d.post("r3", [(0, "whole", "nope", ids(0), ids(0))], "READ", 1.0)
+    with pytest.raises(TransferError, match="unknown local table"):
+        d.post("r3", [(0, "nope", "whole", ids(0), ids(0))], "READ", 1.0)
+    with pytest.raises(TransferError, match="peer 7 is not connected"):
+        d.post("r3", [(7, "whole", "whole", ids(0), ids(0))], "READ", 1.0)
+    with pytest.raises(TransferError, match="op must be"):
+        d.post("r3", [(0, "whole", "whole", ids(0), ids(0))], "read", 1.0)  # type: ignore[arg-type]
+    assert d.handle_counts()["xfer"] == 0
+    d.post("r", [(0, "whole", "whole", ids(0), ids(0))], "READ", 1.0)
+    with pytest.raises(TransferError, match="already in flight"):
+        d.post("r", [(0, "whole", "whole", ids(0), ids(0))], "READ", 1.0)
+    pump(d, lambda e: e.done, 2.0, others=[p])
+    assert d.handle_counts()["xfer"] == 0
+
+
+def test_length_mismatch_message(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, _, _ = pair
+    d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    with pytest.raises(TransferError, match=r"pair 0: local 'whole'\[0\] is 256 B, remote 'halves'\[0\] is 128 B"):
+        d.post("r", [(0, "whole", "halves", ids(0), ids(0))], "READ", 1.0)
+
+
+def test_validate_rejection_is_a_clear_handshake_error(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, _, _ = pair
+
+    def validate(payload: bytes) -> None:
+        raise ValueError("block_len 256 != remote 128 * ratio 1")
+
+    with pytest.raises(HandshakeError, match=r"rejected: block_len 256 != remote 128 \* ratio 1"):
+        d.connect(0, p.address, tables_from_payload, validate=validate, timeout_s=2.0)
+    assert d.peer_state(0)[0] == "down"
+    with pytest.raises(TransferError, match="peer 0 is down: .*rejected"):
+        d.post("r", [(0, "whole", "whole", ids(0), ids(0))], "READ", 1.0)
+    assert d.handle_counts()["remote_agents"] == 0
+
+
+def test_remote_error_and_bad_tables_fail_the_handshake(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, src, _ = pair
+    with pytest.raises(HandshakeError, match="answered with an error: KeyError: 'no rank 3 here'"):
+        d.connect(0, p.address, tables_from_payload, rank=3, timeout_s=2.0)
+    outside = {"whole": np.array([[src.ctypes.data + 16 * BLOCK, BLOCK, 0, BLOCK, 2]], dtype=np.uint64)}
+    with pytest.raises(HandshakeError, match="nixlNotFoundError"):
+        d.connect(1, p.address, lambda pl: outside, timeout_s=2.0)
+    with pytest.raises(HandshakeError, match="RuntimeError: planner said no"):
+        d.connect(2, p.address, _raise_runtime, timeout_s=2.0)
+    assert d.handle_counts()["remote_agents"] == 0 and d.handle_counts()["remote_dlists"] == 0
+
+
+def _raise_runtime(payload: bytes) -> dict[str, np.ndarray]:
+    raise RuntimeError("planner said no")
+
+
+def test_handshake_timeout_fails_waiting_requests(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    _, d, _, _ = pair
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        d.begin_connect(0, f"tcp://127.0.0.1:{port}", tables_from_payload, timeout_s=0.4)
+        h = d.post("queued", [(0, "whole", "whole", ids(0), ids(0))], "READ", 5.0)
+        assert h.state is RequestState.QUEUED
+        ev = pump(d, lambda e: e.failed, 2.0)
+        assert h.state is RequestState.FAILED and ev.failed[0].request_id == "queued"
+        assert "timed out" in str(ev.failed[0]) or "no reply" in str(ev.failed[0])
+        assert ev.failed[0].failed[0].local_ids.tolist() == [0]
+        with pytest.raises(HandshakeError, match="no reply"):
+            d.connect(1, f"tcp://127.0.0.1:{port}", tables_from_payload, timeout_s=0.3)
+    finally:
+        mute.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+def test_request_queued_behind_handshake_runs_after_it(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, src, dst = pair
+    before = dst.copy()
+    d.begin_connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    d.post("ok", [(0, "whole", "whole", ids(3), ids(4))], "READ", 2.0)
+    d.post("bad", [(0, "whole", "whole", ids(3), ids(BLOCKS + 5))], "READ", 2.0)  # checked once tables are known
+    ev = pump(d, lambda e: len(e.done) + len(e.failed) == 2, 3.0, others=[p])
+    assert ev.done == ["ok"]
+    assert f"remote descriptor id {BLOCKS + 5} out of range for table 'whole' of {BLOCKS}" in str(ev.failed[0])
+    assert np.array_equal(dst, expected_after(before, src, "whole", [3], [4]))
+
+
+def test_expect_deadline_and_remote_failure(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, _, _ = pair
+    h = d.expect("never", deadline_s=0.2)
+    ev = pump(d, lambda e: e.failed, 2.0)
+    assert h.state is RequestState.FAILED and "0 of 1 senders" in str(ev.failed[0])
+
+
+def test_control_messages_reach_poll(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    p, d, _, _ = pair
+    d.send_control(p.address, b"register r1 blocks 1,2")
+    ev = pump(p, lambda e: e.control, 2.0)
+    assert ev.control[0].sender == "D" and ev.control[0].payload == b"register r1 blocks 1,2"
+    with pytest.raises(TransferError, match="control message .* failed"):
+        d.send_control("tcp://127.0.0.1:1", b"x", timeout_s=0.2)
+
+
+def test_close_is_idempotent_and_blocks_further_use() -> None:
+    buf = pattern(3)
+    ep = Endpoint("solo", registration(buf.ctypes.data), tables(buf.ctypes.data), listen=None)
+    ep.close()
+    ep.close()
+    assert ep.handle_counts() == ZERO
+    with pytest.raises(TransferError, match="closed"):
+        ep.poll()
