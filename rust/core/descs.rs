@@ -45,7 +45,12 @@ impl DescTable {
             starts.push(total);
             total += r.count;
         }
-        DescTable { rows, num_fa, starts, total }
+        DescTable {
+            rows,
+            num_fa,
+            starts,
+            total,
+        }
     }
 
     /// Number of flat descriptors.
@@ -75,7 +80,10 @@ impl DescTable {
 
     /// The rows as a flat row-major `u64` buffer of shape `(rows, 5)`.
     pub fn to_strided(&self) -> Vec<u64> {
-        self.rows.iter().flat_map(|r| [r.addr, r.len, r.device, r.stride, r.count]).collect()
+        self.rows
+            .iter()
+            .flat_map(|r| [r.addr, r.len, r.device, r.stride, r.count])
+            .collect()
     }
 
     /// The flat expansion as a row-major `u64` buffer of shape `(len, 3)`: `(addr, len, device)`.
@@ -105,7 +113,10 @@ impl RegionTable {
     /// `BadBlockSizeRatio` when `bsr` is 0 or does not divide a region's kernel page.
     pub fn local_table(&self, bsr: u64) -> Result<DescTable, LayoutError> {
         if bsr == 0 {
-            return Err(LayoutError::BadBlockSizeRatio { bsr, detail: "ratio is zero".into() });
+            return Err(LayoutError::BadBlockSizeRatio {
+                bsr,
+                detail: "ratio is zero".into(),
+            });
         }
         let dev = u64::from(self.device);
         let mut rows = Vec::with_capacity(self.regions.len() + self.ssm_regions.len() * 4);
@@ -119,11 +130,23 @@ impl RegionTable {
             let sub = r.block_len / bsr;
             if bsr == 1 || r.block_stride == r.block_len {
                 let stride = r.block_stride / bsr;
-                rows.push(StridedRow { addr: r.base, len: sub, device: dev, stride, count: r.num_blocks * bsr });
+                rows.push(StridedRow {
+                    addr: r.base,
+                    len: sub,
+                    device: dev,
+                    stride,
+                    count: r.num_blocks * bsr,
+                });
             } else {
                 for k in 0..r.num_blocks {
                     let addr = r.base + k * r.block_stride;
-                    rows.push(StridedRow { addr, len: sub, device: dev, stride: sub, count: bsr });
+                    rows.push(StridedRow {
+                        addr,
+                        len: sub,
+                        device: dev,
+                        stride: sub,
+                        count: bsr,
+                    });
                 }
             }
         }
@@ -134,7 +157,9 @@ impl RegionTable {
 
     /// SSM rows of the local table: per SSM region, per sub-stream, one descriptor per logical block.
     fn ssm_rows(&self, dev: u64) -> Vec<StridedRow> {
-        let Some(split) = &self.conv_split else { return Vec::new() };
+        let Some(split) = &self.conv_split else {
+            return Vec::new();
+        };
         let geo = &self.geometry;
         let mut rows = Vec::new();
         for &i in &self.ssm_regions {

@@ -85,7 +85,9 @@ pub enum LayoutError {
         len: u64,
     },
     /// Regions live in different memory types or on different devices.
-    #[error("layer {layer} is in {found} but layer {first} is in {expected}; one table holds one memory type and device")]
+    #[error(
+        "layer {layer} is in {found} but layer {first} is in {expected}; one table holds one memory type and device"
+    )]
     MixedMemory {
         /// The layer that differs.
         layer: String,

@@ -17,7 +17,11 @@ pub fn kda_spec(page: u64) -> LayerSpec {
 
 /// The reference's MLA spec: one latent of 6 fp16 elements per token.
 pub fn mla_spec() -> LayerSpec {
-    LayerSpec::Mla(MlaSpec { head_size: 6, dtype_bytes: 2, page_size_padded: None })
+    LayerSpec::Mla(MlaSpec {
+        head_size: 6,
+        dtype_bytes: 2,
+        page_size_padded: None,
+    })
 }
 
 /// Reference F.1/F.2: two dual-purpose HMA tensors (`T0`, `T1`) shared by `mla.i`, `kda_a.i`, `kda_b.i`;
@@ -27,7 +31,11 @@ pub fn hybrid_mla_f2(bases: [u64; 2], num_blocks: u64) -> RankLayout {
     let page = 144;
     let mut layers = Vec::new();
     for (i, &base) in bases.iter().enumerate() {
-        for (name, group, spec) in [("kda_a", 1, kda_spec(page)), ("mla", 0, mla_spec()), ("kda_b", 2, kda_spec(page))] {
+        for (name, group, spec) in [
+            ("kda_a", 1, kda_spec(page)),
+            ("mla", 0, mla_spec()),
+            ("kda_b", 2, kda_spec(page)),
+        ] {
             layers.push(LayerInput {
                 name: format!("{name}.{i}"),
                 group,
@@ -62,7 +70,11 @@ pub fn deepseek_v3_like(regions: u32, num_blocks: u64) -> RankLayout {
         .map(|i| LayerInput {
             name: format!("model.layers.{i}.self_attn"),
             group: 0,
-            spec: LayerSpec::Mla(MlaSpec { head_size: 576, dtype_bytes: 2, page_size_padded: None }),
+            spec: LayerSpec::Mla(MlaSpec {
+                head_size: 576,
+                dtype_bytes: 2,
+                page_size_padded: None,
+            }),
             memory: LayerMemory {
                 base: 0x7f00_0000_0000 + u64::from(i) * (num_blocks * page + (1 << 20)),
                 bytes: num_blocks * page,
@@ -112,11 +124,25 @@ pub fn kimi_linear_like(regions: u32, heads: u64, num_logical_blocks: u64) -> Ra
             temporal_dtype_bytes: 4,
             page_size_padded: Some(page),
         });
-        let mla = LayerSpec::Mla(MlaSpec { head_size: 576, dtype_bytes: 2, page_size_padded: None });
-        layers.push(LayerInput { name: format!("mla.{i}"), group: 0, spec: mla, memory: memory.clone() });
+        let mla = LayerSpec::Mla(MlaSpec {
+            head_size: 576,
+            dtype_bytes: 2,
+            page_size_padded: None,
+        });
+        layers.push(LayerInput {
+            name: format!("mla.{i}"),
+            group: 0,
+            spec: mla,
+            memory: memory.clone(),
+        });
         for g in 1..4u32 {
             let name = format!("kda_{g}.{i}");
-            layers.push(LayerInput { name, group: g, spec: kda.clone(), memory: memory.clone() });
+            layers.push(LayerInput {
+                name,
+                group: g,
+                spec: kda.clone(),
+                memory: memory.clone(),
+            });
         }
     }
     RankLayout {

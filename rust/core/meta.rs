@@ -91,6 +91,9 @@ pub struct AgentMeta {
     pub transfer_mode: TransferMode,
     /// Model compatibility hash (hex SHA-256 over the model factors).
     pub compat_hash: String,
+    /// Whether this engine serves prefix-cache hits (with SSM, hetero ppl then cannot be trimmed).
+    #[serde(default)]
+    pub prefix_caching: bool,
 }
 
 /// Identity and model facts that are not part of the region table.
@@ -108,6 +111,9 @@ pub struct EngineInfo {
     pub transfer_mode: TransferMode,
     /// Model compatibility hash.
     pub compat_hash: String,
+    /// Whether prefix caching is enabled.
+    #[serde(default)]
+    pub prefix_caching: bool,
 }
 
 impl AgentMeta {
@@ -150,6 +156,7 @@ impl AgentMeta {
             attn_backend: info.attn_backend.clone(),
             transfer_mode: info.transfer_mode,
             compat_hash: info.compat_hash.clone(),
+            prefix_caching: info.prefix_caching,
         }
     }
 }

@@ -11,8 +11,8 @@ pub mod spec;
 
 pub use descs::{DescTable, StridedRow};
 pub use error::LayoutError;
-pub use meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode, META_VERSION};
 pub use layout::{LayerInput, LayerMemory, MemType, RankLayout};
+pub use meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode, META_VERSION};
 pub use region::{GroupKind, Region, RegionTable};
 pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec};
 pub mod fixtures;

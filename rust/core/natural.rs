@@ -14,7 +14,11 @@ pub fn natural_cmp(a: &str, b: &str) -> Ordering {
                 let (da, ra) = split_digits(a);
                 let (db, rb) = split_digits(b);
                 let (ta, tb) = (trim_zeros(da), trim_zeros(db));
-                let ord = ta.len().cmp(&tb.len()).then_with(|| ta.cmp(tb)).then_with(|| da.len().cmp(&db.len()));
+                let ord = ta
+                    .len()
+                    .cmp(&tb.len())
+                    .then_with(|| ta.cmp(tb))
+                    .then_with(|| da.len().cmp(&db.len()));
                 if ord != Ordering::Equal {
                     return ord;
                 }
@@ -48,6 +52,9 @@ mod tests {
     fn digits_compare_as_numbers() {
         let mut names = vec!["layers.10", "layers.2", "layers.1.attn", "kda_a.0", "layers.02"];
         names.sort_by(|a, b| natural_cmp(a, b));
-        assert_eq!(names, vec!["kda_a.0", "layers.1.attn", "layers.2", "layers.02", "layers.10"]);
+        assert_eq!(
+            names,
+            vec!["kda_a.0", "layers.1.attn", "layers.2", "layers.02", "layers.10"]
+        );
     }
 }

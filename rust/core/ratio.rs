@@ -7,16 +7,22 @@
 /// A message naming both sizes when either is zero or the larger does not divide by the smaller.
 pub fn tp_ratio(local_tp: u32, remote_tp: u32) -> Result<i64, String> {
     if local_tp == 0 || remote_tp == 0 {
-        return Err(format!("TP sizes must be positive (local {local_tp}, remote {remote_tp})"));
+        return Err(format!(
+            "TP sizes must be positive (local {local_tp}, remote {remote_tp})"
+        ));
     }
     if local_tp >= remote_tp {
         if local_tp % remote_tp != 0 {
-            return Err(format!("local TP {local_tp} is not a multiple of remote TP {remote_tp}"));
+            return Err(format!(
+                "local TP {local_tp} is not a multiple of remote TP {remote_tp}"
+            ));
         }
         Ok(i64::from(local_tp / remote_tp))
     } else {
         if remote_tp % local_tp != 0 {
-            return Err(format!("remote TP {remote_tp} is not a multiple of local TP {local_tp}"));
+            return Err(format!(
+                "remote TP {remote_tp} is not a multiple of local TP {local_tp}"
+            ));
         }
         Ok(-i64::from(remote_tp / local_tp))
     }

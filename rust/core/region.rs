@@ -136,20 +136,34 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
         }
         (stride / geo.ppl, geo.num_logical_blocks, page, stride)
     } else {
-        let stride = if mem.block_stride == 0 { block_len } else { mem.block_stride };
+        let stride = if mem.block_stride == 0 {
+            block_len
+        } else {
+            mem.block_stride
+        };
         let n = mem.num_blocks.unwrap_or(geo.num_kernel_blocks);
         (stride, n, block_len, stride)
     };
     if unit_stride < unit_len {
-        return Err(LayoutError::StrideTooSmall { layer: name.clone(), stride: unit_stride, block_len: unit_len });
+        return Err(LayoutError::StrideTooSmall {
+            layer: name.clone(),
+            stride: unit_stride,
+            block_len: unit_len,
+        });
     }
     if holds == 0 {
-        return Err(LayoutError::Zero { what: format!("number of blocks of layer {name}") });
+        return Err(LayoutError::Zero {
+            what: format!("number of blocks of layer {name}"),
+        });
     }
     let needed = (holds - 1)
         .checked_mul(unit_stride)
         .and_then(|v| v.checked_add(unit_len))
-        .ok_or_else(|| LayoutError::AddressOverflow { what: format!("extent of {name}"), addr: 0, len: holds })?;
+        .ok_or_else(|| LayoutError::AddressOverflow {
+            what: format!("extent of {name}"),
+            addr: 0,
+            len: holds,
+        })?;
     if needed > mem.bytes {
         return Err(LayoutError::TensorTooSmall {
             layer: name.clone(),
@@ -160,8 +174,16 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
             needed,
         });
     }
-    let num_blocks = if layer.spec.is_ssm() { geo.num_kernel_blocks } else { holds };
-    Ok(LayerView { block_len, block_stride, num_blocks })
+    let num_blocks = if layer.spec.is_ssm() {
+        geo.num_kernel_blocks
+    } else {
+        holds
+    };
+    Ok(LayerView {
+        block_len,
+        block_stride,
+        num_blocks,
+    })
 }
 
 fn geometry(layout: &RankLayout) -> Result<BlockGeometry, LayoutError> {
@@ -191,11 +213,14 @@ fn geometry(layout: &RankLayout) -> Result<BlockGeometry, LayoutError> {
         });
     }
     let ppl = layout.logical_block_size / layout.kernel_block_size;
-    let num_kernel_blocks = layout.num_logical_blocks.checked_mul(ppl).ok_or_else(|| LayoutError::AddressOverflow {
-        what: "kernel block count".into(),
-        addr: layout.num_logical_blocks,
-        len: ppl,
-    })?;
+    let num_kernel_blocks = layout
+        .num_logical_blocks
+        .checked_mul(ppl)
+        .ok_or_else(|| LayoutError::AddressOverflow {
+            what: "kernel block count".into(),
+            addr: layout.num_logical_blocks,
+            len: ppl,
+        })?;
     Ok(BlockGeometry {
         logical_block_size: layout.logical_block_size,
         kernel_block_size: layout.kernel_block_size,
@@ -250,7 +275,10 @@ impl RegionTable {
         layers.sort_by(|a, b| natural_cmp(&a.name, &b.name));
         for pair in layers.windows(2) {
             if pair[0].name == pair[1].name {
-                return Err(LayoutError::Groups(format!("layer name {} appears twice", pair[0].name)));
+                return Err(LayoutError::Groups(format!(
+                    "layer name {} appears twice",
+                    pair[0].name
+                )));
             }
         }
         let groups = group_kinds(&layers)?;
@@ -273,11 +301,13 @@ impl RegionTable {
                     expected: format!("{} device {}", mem_type.nixl_name(), device),
                 });
             }
-            mem.base.checked_add(mem.bytes).ok_or_else(|| LayoutError::AddressOverflow {
-                what: format!("tensor of {}", layer.name),
-                addr: mem.base,
-                len: mem.bytes,
-            })?;
+            mem.base
+                .checked_add(mem.bytes)
+                .ok_or_else(|| LayoutError::AddressOverflow {
+                    what: format!("tensor of {}", layer.name),
+                    addr: mem.base,
+                    len: mem.bytes,
+                })?;
             let view = layer_view(layer, &geo)?;
             if let LayerSpec::Ssm(ssm) = &layer.spec {
                 let split = ssm.conv_split(&layer.name)?;
@@ -296,7 +326,8 @@ impl RegionTable {
             let idx = match by_base.get(&mem.base) {
                 Some(&idx) => {
                     let r = &mut regions[idx];
-                    if (r.block_len, r.block_stride, r.num_blocks) != (view.block_len, view.block_stride, view.num_blocks)
+                    if (r.block_len, r.block_stride, r.num_blocks)
+                        != (view.block_len, view.block_stride, view.num_blocks)
                     {
                         return Err(LayoutError::SharedPageMismatch {
                             a: owner[idx].to_string(),
@@ -370,7 +401,10 @@ impl RegionTable {
 
     /// Registration descriptors `(addr, bytes, device)`, one per region, in region order.
     pub fn registration(&self) -> Vec<[u64; 3]> {
-        self.regions.iter().map(|r| [r.base, r.bytes, u64::from(self.device)]).collect()
+        self.regions
+            .iter()
+            .map(|r| [r.base, r.bytes, u64::from(self.device)])
+            .collect()
     }
 
     /// Flat count of attention (FA) descriptors at block-size ratio `bsr`.

@@ -60,7 +60,10 @@ fn block_size_ratio_splits_attention_only() {
     assert_eq!(table.len(), 48 + 32);
     assert_eq!(table.desc(1), Some((T0 + 24, 24)));
     assert_eq!(table.desc(48), Some((T0, 12)));
-    assert!(matches!(t.local_table(5), Err(LayoutError::BadBlockSizeRatio { bsr: 5, .. })));
+    assert!(matches!(
+        t.local_table(5),
+        Err(LayoutError::BadBlockSizeRatio { bsr: 5, .. })
+    ));
 }
 
 fn fa_layer(name: &str, group: u32, base: u64, num_blocks: u64) -> LayerInput {
@@ -132,7 +135,10 @@ fn bad_layouts_name_the_value_and_limit() {
 
     l = fa_layout(vec![fa_layer("a", 0, 100, 2), fa_layer("b", 0, 1000, 2)]);
     l.layers[1].memory.mem_type = MemType::Vram;
-    assert!(matches!(RegionTable::build(&l).unwrap_err(), LayoutError::MixedMemory { .. }));
+    assert!(matches!(
+        RegionTable::build(&l).unwrap_err(),
+        LayoutError::MixedMemory { .. }
+    ));
 
     l = fa_layout(vec![fa_layer("a", 0, 100, 2)]);
     l.layers[0].memory.bytes = 0;
@@ -140,12 +146,18 @@ fn bad_layouts_name_the_value_and_limit() {
 
     let mut h = hybrid_mla_f2([T0, T1], 4);
     h.layers[0].spec = kda_spec(100); // smaller than the 112-byte state
-    assert!(matches!(RegionTable::build(&h).unwrap_err(), LayoutError::StateLargerThanPage { .. }));
+    assert!(matches!(
+        RegionTable::build(&h).unwrap_err(),
+        LayoutError::StateLargerThanPage { .. }
+    ));
 
     let mut h = hybrid_mla_f2([T0, T1], 4);
     h.layers[0].spec = kda_spec(288); // sharer disagrees on the kernel page
     h.layers[0].memory.bytes = 4 * 288;
-    assert!(matches!(RegionTable::build(&h).unwrap_err(), LayoutError::SharedPageMismatch { .. }));
+    assert!(matches!(
+        RegionTable::build(&h).unwrap_err(),
+        LayoutError::SharedPageMismatch { .. }
+    ));
 }
 
 #[test]
@@ -153,7 +165,9 @@ fn mla_first_or_kda_first_gives_the_same_table() {
     let kda_first = hybrid_mla_f2([T0, T1], 4);
     let mut mla_first = kda_first.clone();
     mla_first.layers.retain(|l| matches!(l.spec, LayerSpec::Mla(_)));
-    mla_first.layers.extend(kda_first.layers.iter().filter(|l| l.spec != mla_spec()).cloned());
+    mla_first
+        .layers
+        .extend(kda_first.layers.iter().filter(|l| l.spec != mla_spec()).cloned());
     let a = RegionTable::build(&kda_first).unwrap();
     let b = RegionTable::build(&mla_first).unwrap();
     assert_eq!(a, b);

@@ -128,7 +128,10 @@ impl SsmSpec {
     /// # Errors
     /// `BadSsmSpec` when the shapes are inconsistent with the kind (e.g. an odd Mamba2 remainder).
     pub fn conv_split(&self, layer: &str) -> Result<ConvSplit, LayoutError> {
-        let bad = |reason: String| LayoutError::BadSsmSpec { layer: layer.to_string(), reason };
+        let bad = |reason: String| LayoutError::BadSsmSpec {
+            layer: layer.to_string(),
+            reason,
+        };
         let [conv_dim, conv_rows] = self.conv_shape;
         if conv_dim == 0 || conv_rows == 0 || self.conv_dtype_bytes == 0 || self.temporal_dtype_bytes == 0 {
             return Err(bad(format!(
@@ -154,7 +157,9 @@ impl SsmSpec {
                 if t.len() < 2 {
                     return Err(bad(format!("temporal shape {t:?} needs at least 2 dims")));
                 }
-                let first = t[0].checked_mul(t[1]).ok_or_else(|| bad("temporal dims overflow".into()))?;
+                let first = t[0]
+                    .checked_mul(t[1])
+                    .ok_or_else(|| bad("temporal dims overflow".into()))?;
                 if first >= conv_dim || (conv_dim - first) % 2 != 0 {
                     return Err(bad(format!(
                         "conv dim {conv_dim} minus {} ({}x{}) must be positive and even",
@@ -178,7 +183,12 @@ impl SsmSpec {
         let ssm_bytes = checked_product(t, "temporal", layer)?
             .checked_mul(self.temporal_dtype_bytes)
             .ok_or_else(|| bad("temporal bytes overflow".into()))?;
-        Ok(ConvSplit { proj_dims, proj_bytes, conv_bytes, ssm_bytes })
+        Ok(ConvSplit {
+            proj_dims,
+            proj_bytes,
+            conv_bytes,
+            ssm_bytes,
+        })
     }
 
     /// Raw state bytes (conv + temporal).
@@ -205,10 +215,16 @@ impl LayerSpec {
     /// `BadSsmSpec` for an inconsistent SSM spec, `StateLargerThanPage` for an SSM page smaller than its
     /// state, `Zero`/`AddressOverflow` for degenerate attention sizes.
     pub fn page_bytes(&self, block_size: u64, layer: &str) -> Result<u64, LayoutError> {
-        let overflow = || LayoutError::AddressOverflow { what: format!("page size of {layer}"), addr: 0, len: 0 };
+        let overflow = || LayoutError::AddressOverflow {
+            what: format!("page size of {layer}"),
+            addr: 0,
+            len: 0,
+        };
         let positive = |v: u64, what: &str| {
             if v == 0 {
-                Err(LayoutError::Zero { what: format!("{what} of layer {layer}") })
+                Err(LayoutError::Zero {
+                    what: format!("{what} of layer {layer}"),
+                })
             } else {
                 Ok(v)
             }
@@ -243,7 +259,11 @@ impl LayerSpec {
                 let state = s.state_bytes(layer)?;
                 let page = s.page_size_padded.unwrap_or(state);
                 if page < state {
-                    return Err(LayoutError::StateLargerThanPage { layer: layer.to_string(), state, page });
+                    return Err(LayoutError::StateLargerThanPage {
+                        layer: layer.to_string(),
+                        state,
+                        page,
+                    });
                 }
                 Ok(page)
             }
@@ -294,7 +314,11 @@ mod tests {
         ];
         for (kind, conv, temporal, want) in cases {
             let split = ssm(*kind, [*conv, 3], temporal).conv_split("l").unwrap();
-            assert_eq!(&split.proj_dims[..], *want, "{kind:?} conv {conv} temporal {temporal:?}");
+            assert_eq!(
+                &split.proj_dims[..],
+                *want,
+                "{kind:?} conv {conv} temporal {temporal:?}"
+            );
         }
     }
 
@@ -309,12 +333,23 @@ mod tests {
         let mut s = ssm(MambaKind::Gdn, [8, 3], &[1, 4, 4]);
         s.page_size_padded = Some(100);
         let err = LayerSpec::Ssm(s).page_bytes(12, "kda").unwrap_err();
-        assert_eq!(err, LayoutError::StateLargerThanPage { layer: "kda".into(), state: 112, page: 100 });
+        assert_eq!(
+            err,
+            LayoutError::StateLargerThanPage {
+                layer: "kda".into(),
+                state: 112,
+                page: 100
+            }
+        );
     }
 
     #[test]
     fn attention_and_mla_pages() {
-        let mla = LayerSpec::Mla(MlaSpec { head_size: 6, dtype_bytes: 2, page_size_padded: None });
+        let mla = LayerSpec::Mla(MlaSpec {
+            head_size: 6,
+            dtype_bytes: 2,
+            page_size_padded: None,
+        });
         assert_eq!(mla.page_bytes(12, "mla").unwrap(), 144);
         let fa = LayerSpec::FullAttention(AttentionSpec {
             num_kv_heads: 2,
@@ -334,7 +369,9 @@ mod tests {
 /// `Zero` when `block_len` is 0.
 pub fn physical_blocks_per_logical(ssm_sizes: (u64, u64), block_len: u64) -> Result<u64, LayoutError> {
     if block_len == 0 {
-        return Err(LayoutError::Zero { what: "block_len".into() });
+        return Err(LayoutError::Zero {
+            what: "block_len".into(),
+        });
     }
     Ok((ssm_sizes.0 + ssm_sizes.1).div_ceil(block_len))
 }
@@ -344,7 +381,11 @@ mod ppl_tests {
     /// Reference F.9: Nemotron 30B at TP 1, 2 and 4.
     #[test]
     fn nemotron_30b_ppl_table() {
-        for (sizes, len, want) in [((36864, 2097152), 8192, 261), ((18432, 1048576), 4096, 261), ((9216, 524288), 4096, 131)] {
+        for (sizes, len, want) in [
+            ((36864, 2097152), 8192, 261),
+            ((18432, 1048576), 4096, 261),
+            ((9216, 524288), 4096, 131),
+        ] {
             assert_eq!(super::physical_blocks_per_logical(sizes, len).unwrap(), want);
         }
         assert!(super::physical_blocks_per_logical((1, 1), 0).is_err());

@@ -1,0 +1,29 @@
+"""hybrid-kv: KV-cache transfer planning for P/D disaggregation of hybrid (MLA + SSM) models over NIXL.
+
+The planning core is Rust (``hybrid_kv._core``); this package adds the torch adapter, the NIXL transport
+and the command line. Everything that computes a descriptor or an id happens in Rust.
+"""
+
+from ._core import (
+    HandshakeError,
+    HybridKvError,
+    LayoutError,
+    PlanError,
+    RegionTable,
+    TransferError,
+    __version__,
+)
+from .layout import build_region_table, layer, rank_layout
+
+__all__ = [
+    "HandshakeError",
+    "HybridKvError",
+    "LayoutError",
+    "PlanError",
+    "RegionTable",
+    "TransferError",
+    "__version__",
+    "build_region_table",
+    "layer",
+    "rank_layout",
+]

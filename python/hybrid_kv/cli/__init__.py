@@ -1,0 +1,66 @@
+"""The ``hybrid-kv`` command line.
+
+Every module in this package that defines ``register(subparsers)`` adds one subcommand; the subcommand's
+handler is stored as ``func`` on its parser and returns the exit status. Expected failures (bad input,
+incompatible peers, failed transfers) print one line on stderr and exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+from .._core import HybridKvError
+
+EPILOG = """examples:
+  hybrid-kv demo                         run the default P/D demo and verify every byte
+  hybrid-kv regions                      region table of a tiny Kimi-Linear-like layout
+  hybrid-kv plan scenario.json --json    every rank's transfers for a scenario
+  hybrid-kv check scenario.json          validate every rank pair before launch
+"""
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per command module."""
+    parser = argparse.ArgumentParser(
+        prog="hybrid-kv",
+        description="Plan and run KV-cache transfers between prefill and decode for hybrid MLA+SSM models.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if mod.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{mod.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hybrid-kv``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except (HybridKvError, CliError, OSError, json.JSONDecodeError) as e:
+        print(f"hybrid-kv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hybrid-kv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

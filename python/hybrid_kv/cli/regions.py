@@ -1,0 +1,92 @@
+"""``hybrid-kv regions``: build the region table of a tiny Kimi-Linear-like layout from torch CPU tensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.table import Table
+
+from ..layout import Spec
+from ._console import console as make_console
+
+
+def tiny_kimi_layers(num_regions: int) -> tuple[list[tuple[str, int, Spec, Any]], dict[str, int]]:
+    """Tensors of a tiny Kimi-Linear-shaped HMA pool: each tensor shared by one MLA and two KDA layers.
+
+    Shapes follow the reference's test spec: MLA latents of 6 fp16 per token, KDA conv ``(8, 3)`` fp16 and
+    temporal ``(1, 4, 4)`` fp32 padded to the 144-byte unified page; logical block 12, kernel block 4.
+    """
+    import torch
+
+    num_logical_blocks = 4
+    page = 144
+    mla: Spec = {"type": "mla", "head_size": 6, "dtype_bytes": 2}
+    kda: Spec = {
+        "type": "ssm",
+        "kind": "gdn",
+        "conv_shape": [8, 3],
+        "conv_dtype_bytes": 2,
+        "temporal_shape": [1, 4, 4],
+        "temporal_dtype_bytes": 4,
+        "page_size_padded": page,
+    }
+    layers: list[tuple[str, int, Spec, Any]] = []
+    for i in range(num_regions):
+        pool = torch.zeros(num_logical_blocks * page, dtype=torch.uint8)
+        layers += [(f"kda_a.{i}", 1, kda, pool), (f"mla.{i}", 0, mla, pool), (f"kda_b.{i}", 2, kda, pool)]
+    geometry = {"logical_block_size": 12, "kernel_block_size": 4, "num_logical_blocks": num_logical_blocks}
+    return layers, geometry
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build and print the table."""
+    from ..torch_adapter import region_table_from_tensors
+
+    layers, geometry = tiny_kimi_layers(args.regions)
+    table = region_table_from_tensors(layers, **geometry)
+    info = json.loads(table.to_json())
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    console = make_console()
+    t = Table(title=f"Region table: {table!r}")
+    for col in ("#", "name", "base", "bytes", "block_len", "stride", "kernel blocks", "MLA", "SSM", "group"):
+        t.add_column(col, justify="right" if col not in ("name", "MLA", "SSM") else "left")
+    for i, r in enumerate(info["regions"]):
+        group = "shared" if r["group"] is None else str(r["group"])
+        t.add_row(
+            str(i),
+            r["name"],
+            hex(r["base"]),
+            str(r["bytes"]),
+            str(r["block_len"]),
+            str(r["block_stride"]),
+            str(r["num_blocks"]),
+            "yes" if r["is_mla"] else "no",
+            "yes" if r["has_ssm"] else "no",
+            group,
+        )
+    console.print(t)
+    descs = table.local_descs()
+    rows = table.local_rows()
+    console.print(
+        f"local descriptor table: {descs.shape[0]} descriptors ({table.num_fa_descs()} attention + "
+        f"{descs.shape[0] - table.num_fa_descs()} SSM) in {rows.shape[0]} strided rows; "
+        f"ppl={table.ppl}, ssm_sizes={table.ssm_sizes}"
+    )
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the ``regions`` subcommand."""
+    p = sub.add_parser(
+        "regions",
+        help="region table of a tiny Kimi-Linear-like layout built from torch CPU tensors",
+        description="Allocate a tiny Kimi-Linear-shaped HMA pool (MLA + KDA layers sharing tensors) as torch "
+        "CPU tensors, build its region table in Rust and print it.",
+    )
+    p.add_argument("--regions", type=int, default=2, help="number of shared tensors (default 2)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(func=run)

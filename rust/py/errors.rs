@@ -1,0 +1,63 @@
+//! The Python exception hierarchy and the mapping from core errors to it.
+
+use pyo3::prelude::*;
+use pyo3::{create_exception, exceptions::PyException};
+
+use crate::core::LayoutError as CoreLayoutError;
+
+create_exception!(
+    hybrid_kv,
+    HybridKvError,
+    PyException,
+    "Base class of every hybrid-kv error."
+);
+create_exception!(
+    hybrid_kv,
+    LayoutError,
+    HybridKvError,
+    "A rank's layout cannot be turned into a region table."
+);
+create_exception!(
+    hybrid_kv,
+    PlanError,
+    HybridKvError,
+    "A transfer cannot be planned for the given geometry or ids."
+);
+create_exception!(
+    hybrid_kv,
+    HandshakeError,
+    HybridKvError,
+    "A peer's metadata is malformed or incompatible."
+);
+create_exception!(
+    hybrid_kv,
+    TransferError,
+    HybridKvError,
+    "A NIXL transfer failed, timed out or was refused."
+);
+
+/// Wrapper so core errors convert with `?` (the orphan rule forbids `From<LayoutError> for PyErr` elsewhere).
+pub struct PyCoreError(pub PyErr);
+
+impl From<PyCoreError> for PyErr {
+    fn from(e: PyCoreError) -> PyErr {
+        e.0
+    }
+}
+
+impl From<CoreLayoutError> for PyCoreError {
+    fn from(e: CoreLayoutError) -> Self {
+        PyCoreError(LayoutError::new_err(e.to_string()))
+    }
+}
+
+/// Register the exception classes on the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("HybridKvError", py.get_type::<HybridKvError>())?;
+    m.add("LayoutError", py.get_type::<LayoutError>())?;
+    m.add("PlanError", py.get_type::<PlanError>())?;
+    m.add("HandshakeError", py.get_type::<HandshakeError>())?;
+    m.add("TransferError", py.get_type::<TransferError>())?;
+    Ok(())
+}

@@ -1,0 +1,136 @@
+//! `RegionTable` for Python: built from a JSON layout, exposing regions and descriptor tables as numpy.
+
+use std::sync::Arc;
+
+use numpy::PyArray2;
+use pyo3::prelude::*;
+
+use super::arrays::u64_matrix;
+use super::errors::{LayoutError, PyCoreError};
+use crate::core::{AgentMeta, EngineInfo, RankLayout, RegionTable};
+
+/// The region table of one rank: one region per distinct base address, MLA flags OR-merged.
+#[pyclass(frozen, name = "RegionTable", module = "hybrid_kv")]
+pub struct PyRegionTable {
+    /// The immutable core table.
+    pub inner: Arc<RegionTable>,
+}
+
+#[pymethods]
+impl PyRegionTable {
+    /// Build a region table from a rank layout given as JSON (see `hybrid_kv.layout`).
+    ///
+    /// Raises:
+    ///     LayoutError: the layout is malformed or inconsistent (the message names the value and limit).
+    #[staticmethod]
+    fn from_json(py: Python<'_>, layout_json: &str) -> PyResult<Self> {
+        let layout: RankLayout =
+            serde_json::from_str(layout_json).map_err(|e| LayoutError::new_err(format!("bad layout: {e}")))?;
+        let table = py.detach(|| RegionTable::build(&layout)).map_err(PyCoreError::from)?;
+        Ok(PyRegionTable { inner: Arc::new(table) })
+    }
+
+    /// The whole table (regions, SSM region order, groups, geometry, conv split) as JSON.
+    fn to_json(&self) -> String {
+        serde_json::to_string(&*self.inner).unwrap_or_default()
+    }
+
+    /// Number of regions.
+    #[getter]
+    fn num_regions(&self) -> usize {
+        self.inner.regions.len()
+    }
+
+    /// REPLICATE (MLA) flag of every region.
+    #[getter]
+    fn region_is_mla(&self) -> Vec<bool> {
+        self.inner.regions.iter().map(|r| r.is_mla).collect()
+    }
+
+    /// Base address of every region.
+    #[getter]
+    fn base_addrs(&self) -> Vec<u64> {
+        self.inner.regions.iter().map(|r| r.base).collect()
+    }
+
+    /// Kernel page bytes of every region.
+    #[getter]
+    fn block_lens(&self) -> Vec<u64> {
+        self.inner.regions.iter().map(|r| r.block_len).collect()
+    }
+
+    /// Kernel blocks per logical block.
+    #[getter]
+    fn ppl(&self) -> u64 {
+        self.inner.geometry.ppl
+    }
+
+    /// Kernel blocks per region.
+    #[getter]
+    fn num_kernel_blocks(&self) -> u64 {
+        self.inner.geometry.num_kernel_blocks
+    }
+
+    /// `(conv_bytes, ssm_bytes)` of one state on this rank, or `(0, 0)` without SSM layers.
+    #[getter]
+    fn ssm_sizes(&self) -> (u64, u64) {
+        self.inner
+            .conv_split
+            .as_ref()
+            .map_or((0, 0), |s| (s.conv_bytes, s.ssm_bytes))
+    }
+
+    /// Flat count of attention descriptors at block-size ratio `bsr`.
+    #[pyo3(signature = (bsr = 1))]
+    fn num_fa_descs(&self, bsr: u64) -> u64 {
+        self.inner.num_fa_descs(bsr)
+    }
+
+    /// Registration descriptors `(addr, bytes, device)` as an `(R, 3)` uint64 array.
+    fn registration<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        u64_matrix(py, self.inner.registration().concat(), 3)
+    }
+
+    /// The local descriptor table as an `(N, 3)` uint64 array `(addr, len, device)`.
+    ///
+    /// Raises:
+    ///     LayoutError: `bsr` does not divide a kernel page.
+    #[pyo3(signature = (bsr = 1))]
+    fn local_descs<'py>(&self, py: Python<'py>, bsr: u64) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let t = Arc::clone(&self.inner);
+        let flat = py
+            .detach(move || t.local_table(bsr).map(|d| d.to_flat()))
+            .map_err(PyCoreError::from)?;
+        u64_matrix(py, flat, 3)
+    }
+
+    /// The local descriptor table as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
+    ///
+    /// Raises:
+    ///     LayoutError: `bsr` does not divide a kernel page.
+    #[pyo3(signature = (bsr = 1))]
+    fn local_rows<'py>(&self, py: Python<'py>, bsr: u64) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let rows = self.inner.local_table(bsr).map_err(PyCoreError::from)?.to_strided();
+        u64_matrix(py, rows, 5)
+    }
+
+    /// Handshake metadata of this rank as JSON (engine facts come from `engine_info_json`).
+    fn agent_meta_json(&self, engine_info_json: &str) -> PyResult<String> {
+        let info: EngineInfo = serde_json::from_str(engine_info_json)
+            .map_err(|e| LayoutError::new_err(format!("bad engine info: {e}")))?;
+        Ok(serde_json::to_string(&AgentMeta::from_table(&self.inner, &info)).unwrap_or_default())
+    }
+
+    fn __repr__(&self) -> String {
+        let t = &self.inner;
+        format!(
+            "RegionTable(regions={}, ssm_regions={}, ppl={}, kernel_blocks={}, tp={}/{})",
+            t.regions.len(),
+            t.ssm_regions.len(),
+            t.geometry.ppl,
+            t.geometry.num_kernel_blocks,
+            t.tp_rank,
+            t.tp_size
+        )
+    }
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Source me. Creates (once per machine) and activates the venv the README's commands use, installs the
+# Python requirements when they changed, and builds + installs the hybrid_kv extension from this checkout.
+#   HYBRID_KV_VENV   where the venv lives (default: ~/.venvs/hybrid-kv, shared by every clone)
+set -euo pipefail
+HKV_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HYBRID_KV_VENV="${HYBRID_KV_VENV:-$HOME/.venvs/hybrid-kv}"
+export HYBRID_KV_VENV
+
+if [ ! -x "$HYBRID_KV_VENV/bin/python" ]; then
+    echo "[hybrid-kv] creating venv at $HYBRID_KV_VENV" >&2
+    python3 -m venv "$HYBRID_KV_VENV"
+fi
+# shellcheck disable=SC1091
+. "$HYBRID_KV_VENV/bin/activate"
+
+stamp="$HYBRID_KV_VENV/.hybrid-kv-requirements.sha256"
+want="$(sha256sum "$HKV_ROOT/requirements-dev.txt" | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+    echo "[hybrid-kv] installing Python requirements (torch is large; this happens once per machine)" >&2
+    python -m pip install -q --upgrade pip
+    python -m pip install -q -r "$HKV_ROOT/requirements-dev.txt"
+    echo "$want" > "$stamp"
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "[hybrid-kv] error: cargo (Rust) is required to build the extension" >&2
+    exit 1
+fi
+echo "[hybrid-kv] building the extension (maturin develop --release)" >&2
+(cd "$HKV_ROOT" && rm -f python/hybrid_kv/_core*.so && maturin develop --release -q >/dev/null)
