@@ -17,6 +17,7 @@ Run: ``PYTHONPATH=python python benches/transfer_throughput.py [--size-mib 256] 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import multiprocessing as mp
 import statistics
@@ -62,7 +63,9 @@ def target_main(size: int, block_sizes: list[int], out: Any, stop: Any) -> None:
     src = region(size)
     payload = struct.pack("<QQ", src.ctypes.data, size)
     reg = np.array([[src.ctypes.data, size, 0]], dtype=np.uint64)
-    with Endpoint("bench-target", reg, tables_for(src.ctypes.data, size, block_sizes), metadata_provider=lambda r: payload) as ep:
+    with Endpoint(
+        "bench-target", reg, tables_for(src.ctypes.data, size, block_sizes), metadata_provider=lambda r: payload
+    ) as ep:
         out.put(ep.address)
         while not stop.is_set():
             ep.poll()  # the passive side must be progressed (notifications, UCX wire-up)
@@ -79,6 +82,18 @@ def wait(ep: Endpoint, rid: str, timeout_s: float = 60.0) -> None:
             return
         if time.monotonic() > end:
             raise TimeoutError(rid)
+
+
+_counter = 0
+
+
+def run_request(ep: Endpoint, transfers: list[tuple[Any, ...]]) -> None:
+    """Post one READ request (a fresh xfer handle, as in serving) and poll it to completion."""
+    global _counter
+    _counter += 1
+    rid = f"r{_counter}"
+    ep.post(rid, transfers, "READ", deadline_s=60.0)
+    wait(ep, rid)
 
 
 def median_s(fn: Any, repeats: int) -> float:
@@ -119,33 +134,28 @@ def main() -> None:
             memcpy_s = median_s(lambda: np.copyto(base_dst, src_local), args.repeats)
             print(f"payload {args.size_mib} MiB per request, {args.repeats} repeats, medians; GB/s = 1e9 B/s")
             print(f"numpy memcpy (np.copyto): {size / memcpy_s / 1e9:6.2f} GB/s")
-            hdr = f"{'block':>8} {'layout':>10} {'descs':>7} {'NIXL GB/s':>10} {'base GB/s':>10} {'NIXL/base':>9} {'NIXL/memcpy':>11}"
-            print(hdr)
+            cols = [("block", 8), ("layout", 10), ("descs", 7), ("NIXL GB/s", 10), ("base GB/s", 10)]
+            cols += [("NIXL/base", 9), ("NIXL/memcpy", 11)]
+            print(" ".join(f"{name:>{width}}" for name, width in cols))
             rng = np.random.default_rng(0)
-            counter = 0
             for bs in block_sizes:
                 n = size // bs
-                key = f"b{bs}"
                 local_ids = np.arange(n, dtype=np.int32)
                 layouts = {"contiguous": local_ids, "fragmented": rng.permutation(n).astype(np.int32)}
                 for layout, remote_ids in layouts.items():
-                    def run() -> None:
-                        nonlocal counter
-                        counter += 1
-                        rid = f"r{counter}"
-                        ep.post(rid, [(0, key, key, local_ids, remote_ids)], "READ", deadline_s=60.0)
-                        wait(ep, rid)
-
+                    request = [(0, f"b{bs}", f"b{bs}", local_ids, remote_ids)]
                     dst[:] = 0
-                    run()  # warm-up and verification
+                    run_request(ep, request)  # warm-up and verification
                     expect = region(size).reshape(n, bs)[remote_ids]
                     assert np.array_equal(dst.reshape(n, bs), expect), f"data mismatch for {layout} {bs} B blocks"
-                    nixl_s = median_s(run, args.repeats)
+                    nixl_s = median_s(functools.partial(run_request, ep, request), args.repeats)
                     if layout == "contiguous":
                         base_s = memcpy_s
                     else:
-                        src_blocks, dst_blocks = src_local.reshape(n, bs), base_dst.reshape(n, bs)
-                        base_s = median_s(lambda: np.take(src_blocks, remote_ids, axis=0, out=dst_blocks), args.repeats)
+                        gather = functools.partial(
+                            np.take, src_local.reshape(n, bs), remote_ids, axis=0, out=base_dst.reshape(n, bs)
+                        )
+                        base_s = median_s(gather, args.repeats)
                     print(
                         f"{bs >> 10:>6}Ki {layout:>10} {n:>7} {size / nixl_s / 1e9:>10.2f} {size / base_s / 1e9:>10.2f}"
                         f" {base_s / nixl_s:>9.2f} {memcpy_s / nixl_s:>11.2f}"

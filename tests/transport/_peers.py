@@ -22,7 +22,6 @@ import numpy as np
 import numpy.typing as npt
 
 
-
 def _transport_without_binding() -> None:
     """Make ``hybrid_kv.transport`` importable when the native ``hybrid_kv._core`` is not built.
 
@@ -211,6 +210,11 @@ class Peer:
         counts = self.expect("closed", 10.0)[1]
         self.proc.join(10)
         return dict(counts)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` (e.g. SIGSTOP to freeze the peer, SIGCONT to resume it)."""
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, sig)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -37,7 +37,12 @@ def test_loopback_read_all_table_forms(pair: tuple[Endpoint, Endpoint, np.ndarra
     p, d, src, dst = pair
     d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
     before = dst.copy()
-    d.post("r", [(0, "whole", "blocks3", ids(0, 5), ids(7, 1)), (0, "halves", "halves", ids(9, 2), ids(3, 12))], "READ", 2.0)
+    d.post(
+        "r",
+        [(0, "whole", "blocks3", ids(0, 5), ids(7, 1)), (0, "halves", "halves", ids(9, 2), ids(3, 12))],
+        "READ",
+        2.0,
+    )
     ev = pump(d, lambda e: e.done or e.failed, 3.0, others=[p])
     assert ev.done == ["r"] and not ev.failed
     want = expected_after(before, src, "whole", [0, 5], [7, 1])
@@ -49,7 +54,9 @@ def test_loopback_read_all_table_forms(pair: tuple[Endpoint, Endpoint, np.ndarra
 def test_bad_ids_rejected_before_posting(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
     p, d, _, _ = pair
     d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
-    with pytest.raises(TransferError, match=f"local descriptor id {BLOCKS} out of range for table 'whole' of {BLOCKS} descriptors"):
+    with pytest.raises(
+        TransferError, match=f"local descriptor id {BLOCKS} out of range for table 'whole' of {BLOCKS} descriptors"
+    ):
         d.post("r", [(0, "whole", "whole", ids(0, BLOCKS), ids(0, 1))], "READ", 1.0)
     with pytest.raises(TransferError, match=f"remote descriptor id 99 out of range for table 'halves' of {2 * BLOCKS}"):
         d.post("r", [(0, "halves", "halves", ids(0), ids(99))], "READ", 1.0)
@@ -92,7 +99,9 @@ def test_validate_rejection_is_a_clear_handshake_error(pair: tuple[Endpoint, End
     assert d.handle_counts()["remote_agents"] == 0
 
 
-def test_remote_error_and_bad_tables_fail_the_handshake(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+def test_remote_error_and_bad_tables_fail_the_handshake(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
+) -> None:
     p, d, src, _ = pair
     with pytest.raises(HandshakeError, match="answered with an error: KeyError: 'no rank 3 here'"):
         d.connect(0, p.address, tables_from_payload, rank=3, timeout_s=2.0)

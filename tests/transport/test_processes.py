@@ -5,14 +5,23 @@ Every peer runs in its own spawned process with its own NIXL agent; bytes are ch
 """
 
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from _peers import BLOCK, BLOCKS, Peer, expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
+from _peers import (
+    BLOCKS,
+    Peer,
+    expected_after,
+    pattern,
+    payload_for,
+    pump,
+    registration,
+    tables,
+    tables_from_payload,
+)
 
 from hybrid_kv.transport import Endpoint, HandshakeError, RequestState
 
@@ -26,7 +35,9 @@ def ids(*v: int) -> np.ndarray:
 @pytest.fixture
 def decode() -> Iterator[tuple[Endpoint, np.ndarray]]:
     dst = pattern(100)
-    with Endpoint("D", registration(dst.ctypes.data), tables(dst.ctypes.data), metadata_provider=lambda r: payload_for(dst)) as ep:
+    with Endpoint(
+        "D", registration(dst.ctypes.data), tables(dst.ctypes.data), metadata_provider=lambda r: payload_for(dst)
+    ) as ep:
         yield ep, dst
     assert ep.handle_counts() == ZERO
 
@@ -125,7 +136,7 @@ def test_hung_then_killed_peer_mid_transfer(decode: tuple[Endpoint, np.ndarray])
         d.connect(0, a.address, tables_from_payload, timeout_s=5.0)
         d.connect(1, b.address, tables_from_payload, timeout_s=5.0)
         _warm_up(d, [0, 1])
-        os.kill(a.proc.pid, signal.SIGSTOP)  # alive but never progresses: its READ stays in flight
+        a.signal(signal.SIGSTOP)  # alive but never progresses: its READ stays in flight
         t0 = time.monotonic()
         h = d.post("stuck", [(0, "whole", "whole", ids(2), ids(2))], "READ", deadline_s=2.0)
         d.post("fine", [(1, "whole", "whole", ids(3), ids(3))], "READ", deadline_s=2.0)
@@ -142,11 +153,11 @@ def test_deadline_on_hung_peer_notifies_it(decode: tuple[Endpoint, np.ndarray]) 
     with Peer("PA", seed=9) as a:
         d.connect(0, a.address, tables_from_payload, timeout_s=5.0)
         _warm_up(d, [0])
-        os.kill(a.proc.pid, signal.SIGSTOP)
+        a.signal(signal.SIGSTOP)
         d.post("slow", [(0, "whole", "whole", ids(1), ids(1))], "READ", deadline_s=0.5)
         ev = pump(d, lambda e: e.failed, 2.0)
         assert "deadline exceeded with 0 of 1 transfers done" in str(ev.failed[0])
-        os.kill(a.proc.pid, signal.SIGCONT)
+        a.signal(signal.SIGCONT)
         msg = a.expect("remote_failed", 5.0)
         assert msg[1:3] == ("D", "slow") and "deadline exceeded" in msg[3]
         assert a.stop() == ZERO
@@ -155,9 +166,9 @@ def test_deadline_on_hung_peer_notifies_it(decode: tuple[Endpoint, np.ndarray]) 
 def test_stopped_peer_never_answers_handshake(decode: tuple[Endpoint, np.ndarray]) -> None:
     d, _ = decode
     with Peer("PA", seed=10) as a:
-        os.kill(a.proc.pid, signal.SIGSTOP)
+        a.signal(signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match="no reply"):
             d.connect(0, a.address, tables_from_payload, timeout_s=0.5)
         assert time.monotonic() - t0 < 1.5
-        os.kill(a.proc.pid, signal.SIGCONT)
+        a.signal(signal.SIGCONT)

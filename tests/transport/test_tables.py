@@ -19,7 +19,13 @@ def test_expand_strided_matches_flat_order() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2**40), st.integers(1, 4096), st.integers(1, 8192), st.integers(1, 20)), min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**40), st.integers(1, 4096), st.integers(1, 8192), st.integers(1, 20)),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_expand_strided_sizes_and_lengths(spec: list[tuple[int, int, int, int]]) -> None:
     rows = np.array([[a, n, 0, s, c] for a, n, s, c in spec], dtype=np.uint64)
     table = DescTable("t", rows)

@@ -10,6 +10,7 @@ that ``poll()`` enforces.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +37,7 @@ _LANDED_MEMORY = 4096  # passive completions remembered for a later expect()
 
 def _nixl_errors() -> tuple[type[BaseException], ...]:
     """Every exception type the NIXL bindings raise (they share no base class)."""
-    import nixl._bindings as bindings  # type: ignore[import-not-found]
+    import nixl._bindings as bindings
 
     found = [
         obj
@@ -141,7 +142,9 @@ class Endpoint:
     def __enter__(self) -> Endpoint:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     @property
@@ -223,7 +226,9 @@ class Endpoint:
                 self._fail(req, f"peer {peer!r} is reconnecting")
             self._drop_remote(old)
         state = _Peer(peer, address, rank, tables, validate, time.monotonic() + timeout_s)
-        thread = threading.Thread(target=self._handshake, args=(state, timeout_s), name=f"hkv-handshake-{peer}", daemon=True)
+        thread = threading.Thread(
+            target=self._handshake, args=(state, timeout_s), name=f"hkv-handshake-{peer}", daemon=True
+        )
         state.thread = thread
         self._peers[peer] = state
         thread.start()
@@ -531,7 +536,12 @@ class Endpoint:
             index[t.peer] += 1
             try:
                 req._xfers[i] = self._agent.make_prepped_xfer(
-                    req.op, self._local[t.local_key], t.local_ids, peer.dlists[t.remote_key], t.remote_ids, notif_msg=msg
+                    req.op,
+                    self._local[t.local_key],
+                    t.local_ids,
+                    peer.dlists[t.remote_key],
+                    t.remote_ids,
+                    notif_msg=msg,
                 )
             except _CALL_ERRORS as exc:
                 self._on_nixl_error(req, t.peer, exc)
@@ -576,7 +586,9 @@ class Endpoint:
         for i in range(len(req._xfers)):
             self._release(req, i)
         req.state = RequestState.FAILED
-        req.error = TransferError(f"request {req.request_id!r} failed: {reason}", request_id=req.request_id, failed=failed)
+        req.error = TransferError(
+            f"request {req.request_id!r} failed: {reason}", request_id=req.request_id, failed=failed
+        )
         self._requests.pop(req.request_id, None)
         self._events.failed.append(req.error)
         if notify and req.op is not None:
@@ -584,7 +596,7 @@ class Endpoint:
             for key in req.peers:
                 peer = self._peers.get(key)
                 if peer is not None and peer.state == "ready" and peer.agent_name is not None:
-                    self._quiet(lambda name=peer.agent_name: self._agent.send_notif(name, msg))
+                    self._quiet(functools.partial(self._agent.send_notif, peer.agent_name, msg))
 
     def _release(self, req: RequestHandle, i: int) -> None:
         xfer = req._xfers[i]

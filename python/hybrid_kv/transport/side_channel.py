@@ -106,7 +106,12 @@ class SideChannelServer:
         msg_id = frames[2] if len(frames) > 2 else b""
         if len(frames) != 5 or frames[0] != PROTOCOL:
             seen = frames[0][:32] if frames else b""
-            return [PROTOCOL, msg_id, _ERR, f"incompatible side-channel protocol {seen!r}, expected {PROTOCOL!r}".encode()]
+            return [
+                PROTOCOL,
+                msg_id,
+                _ERR,
+                f"incompatible side-channel protocol {seen!r}, expected {PROTOCOL!r}".encode(),
+            ]
         _, kind, _, sender, arg = frames
         try:
             if kind == _META:
@@ -141,7 +146,9 @@ def fetch_meta(
     return body[0], body[1]
 
 
-def send_control(ctx: zmq.Context[zmq.Socket[bytes]], address: str, payload: bytes, sender: str, timeout_s: float) -> None:
+def send_control(
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str, payload: bytes, sender: str, timeout_s: float
+) -> None:
     """Deliver one control payload to the server at ``address`` and wait for its acknowledgement.
 
     Raises:
@@ -178,7 +185,9 @@ def _call(
             if len(reply) < 3:
                 raise ChannelError(f"malformed reply from {address}: {len(reply)} frames")
             if reply[0] != PROTOCOL:
-                raise ChannelError(f"incompatible side-channel protocol from {address}: {reply[0][:32]!r}, expected {PROTOCOL!r}")
+                raise ChannelError(
+                    f"incompatible side-channel protocol from {address}: {reply[0][:32]!r}, expected {PROTOCOL!r}"
+                )
             if reply[1] != msg_id:
                 continue  # a stale reply to an earlier call on a reused connection
             if reply[2] != _OK:

@@ -90,7 +90,8 @@ class DescTable:
     def lengths(self, ids: I32) -> npt.NDArray[np.uint64]:
         """Byte length of each descriptor in ``ids`` (ids must already be in range)."""
         row = np.searchsorted(self._ends, ids, side="right")
-        return self.rows[row, 1]
+        lengths: npt.NDArray[np.uint64] = self.rows[row, 1]
+        return lengths
 
 
 def check_ids(ids: npt.ArrayLike, table: DescTable, side: str) -> I32:
