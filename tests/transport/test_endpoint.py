@@ -173,3 +173,22 @@ def test_close_is_idempotent_and_blocks_further_use() -> None:
     assert ep.handle_counts() == ZERO
     with pytest.raises(TransferError, match="closed"):
         ep.poll()
+
+
+def test_expanded_nx3_fallback_moves_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where NIXL lacks the Nx5 form, strided tables are expanded to Nx3 with numpy."""
+    import hybrid_kv.transport.endpoint as endpoint_mod
+
+    monkeypatch.setattr(endpoint_mod, "_strided_ok", False)
+    src, dst = pattern(11), pattern(12)
+    before = dst.copy()
+    with (
+        Endpoint(
+            "P3", registration(src.ctypes.data), tables(src.ctypes.data), metadata_provider=lambda r: payload_for(src)
+        ) as p,
+        Endpoint("D3", registration(dst.ctypes.data), tables(dst.ctypes.data)) as d,
+    ):
+        d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+        d.post("r", [(0, "halves", "halves", ids(BLOCKS + 1, 0), ids(3, BLOCKS + 7))], "READ", 2.0)
+        assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
+    assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 1, 0], [3, BLOCKS + 7]))
