@@ -3,6 +3,7 @@
 
 pub mod descs;
 pub mod error;
+pub mod handshake;
 pub mod layout;
 pub mod meta;
 pub mod ratio;

@@ -1,0 +1,63 @@
+//! Wire encoding of [`AgentMeta`]: a msgpack map with named fields, versioned by its `version` field.
+//!
+//! Decoding treats the bytes as hostile: size and shape are bounded by [`prescan`] before `rmp-serde`
+//! sees them, the version is read on its own first (so a peer on another format gets "version local X,
+//! remote Y" rather than a field error), and the decoded metadata must be internally consistent
+//! ([`check_well_formed`]) before anyone plans with it.
+
+use serde::Deserialize;
+
+use super::error::HandshakeError;
+use super::scan::prescan;
+use super::wellformed::check_well_formed;
+use crate::core::meta::{AgentMeta, META_VERSION};
+
+/// Encode metadata for the wire (msgpack map with named fields).
+///
+/// # Errors
+/// [`HandshakeError::Malformed`] if serialization fails (it does not for well-typed metadata).
+pub fn encode(meta: &AgentMeta) -> Result<Vec<u8>, HandshakeError> {
+    rmp_serde::to_vec_named(meta).map_err(|e| HandshakeError::Malformed(format!("cannot encode metadata: {e}")))
+}
+
+/// The first thing read from a payload: only the version, every other field ignored.
+#[derive(Deserialize)]
+struct VersionProbe {
+    version: Option<u64>,
+}
+
+/// Decode and check a peer's metadata. Never panics; allocation is bounded by the payload size, which is
+/// itself capped.
+///
+/// # Errors
+/// [`HandshakeError::TooLarge`], [`HandshakeError::Malformed`] (bad msgpack, missing or mistyped field),
+/// [`HandshakeError::Version`] (naming both versions) or [`HandshakeError::Invalid`] (inconsistent values).
+pub fn decode(bytes: &[u8]) -> Result<AgentMeta, HandshakeError> {
+    prescan(bytes)?;
+    if !matches!(bytes[0], 0x80..=0x8f | 0xde | 0xdf) {
+        return Err(HandshakeError::Malformed(format!(
+            "expected a msgpack map at the top level, found marker {:#04x}",
+            bytes[0]
+        )));
+    }
+    let probe: VersionProbe = rmp_serde::from_slice(bytes)
+        .map_err(|e| HandshakeError::Malformed(format!("cannot read the version field: {e}")))?;
+    match probe.version {
+        None => return Err(HandshakeError::Malformed("the version field is missing".into())),
+        Some(v) if v != u64::from(META_VERSION) => {
+            return Err(HandshakeError::Version {
+                local: META_VERSION,
+                remote: v,
+            })
+        }
+        Some(_) => {}
+    }
+    let meta: AgentMeta =
+        rmp_serde::from_slice(bytes).map_err(|e| HandshakeError::Malformed(format!("cannot decode metadata: {e}")))?;
+    let problems = check_well_formed(&meta);
+    if problems.is_empty() {
+        Ok(meta)
+    } else {
+        Err(HandshakeError::Invalid(problems))
+    }
+}

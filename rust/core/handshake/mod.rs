@@ -1,0 +1,28 @@
+//! The handshake: P and D exchange [`AgentMeta`](crate::core::AgentMeta) before any transfer, and each
+//! rejects an incompatible peer at once, with one error listing every mismatch and both values.
+//!
+//! * [`encode`] / [`decode`]: versioned msgpack; decoding treats the bytes as hostile (bounded pre-scan,
+//!   version read first, internal consistency checked).
+//! * [`compat_hash`] over the model factors, and [`fingerprint`] over the TP-invariant region geometry.
+//! * [`validate`] / [`validate_expected`] / [`findings`]: the checks of reference E.3, all reported at once.
+
+mod codec;
+mod error;
+mod fingerprint;
+mod scan;
+mod split;
+mod validate;
+mod wellformed;
+
+#[cfg(test)]
+mod codec_tests;
+#[cfg(test)]
+mod validate_tests;
+
+pub use codec::{decode, encode};
+pub use error::{Finding, HandshakeError};
+pub use fingerprint::{compat_hash, fingerprint, GeometryKey, ModelFactors, Ratio};
+pub use scan::{prescan, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
+pub use split::{remote_block_split, MAX_SPLIT};
+pub use validate::{findings, validate, validate_expected, Expected, HEAD_CONTIGUOUS_LAYOUTS};
+pub use wellformed::check_well_formed;

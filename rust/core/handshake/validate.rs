@@ -1,0 +1,415 @@
+//! `validate(local, remote)`: every applicable check of reference E.3, all run, all reported at once.
+//!
+//! Directions follow the reference: `tp_ratio` and `block_size_ratio` are from the local side's view (in
+//! pull mode local is decode, in push mode prefill). Checks that are about prefill versus decode (GQA head
+//! replication) resolve the roles from the transfer mode. Every finding names the check and both values.
+
+use super::error::{Finding, HandshakeError};
+use super::fingerprint::{fingerprint, GeometryKey};
+use super::split::remote_block_split;
+use super::wellformed::check_well_formed;
+use crate::core::meta::{AgentMeta, TransferMode};
+use crate::core::ratio::{block_size_ratio, tp_ratio};
+use crate::core::region::GroupKind;
+
+/// Layouts whose last three physical dims are heads, tokens, channels: a head range is contiguous.
+pub const HEAD_CONTIGUOUS_LAYOUTS: [&str; 3] = ["HND", "LBHNC", "BLHNC"];
+
+/// What the local side already knows about the peer it is connecting to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expected {
+    /// The engine id this side meant to reach.
+    pub engine_id: Option<String>,
+    /// The peer engine's TP size, as configured or learned from its other ranks.
+    pub tp_size: Option<u32>,
+    /// The kernel block count the peer engine's other ranks advertised (all ranks must agree).
+    pub num_blocks: Option<u64>,
+}
+
+fn has_ssm(m: &AgentMeta) -> bool {
+    m.groups.contains(&GroupKind::Ssm)
+}
+
+fn list<T: std::fmt::Debug>(v: &[T]) -> String {
+    format!("{v:?}")
+}
+
+/// Every failed check between `local` and `remote` (empty when compatible).
+pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for (side, m) in [("local", local), ("remote", remote)] {
+        for mut f in check_well_formed(m) {
+            f.check = format!("{side}.{}", f.check);
+            out.push(f);
+        }
+    }
+    if !out.is_empty() {
+        return out; // values that are inconsistent on their own cannot be compared safely
+    }
+    let mut add = |check: &str, l: String, r: String, why: String| out.push(Finding::new(check, l, r, why));
+    if local.version != remote.version {
+        add(
+            "version",
+            local.version.to_string(),
+            remote.version.to_string(),
+            String::new(),
+        );
+    }
+    if local.compat_hash != remote.compat_hash {
+        add(
+            "compat_hash",
+            local.compat_hash.clone(),
+            remote.compat_hash.clone(),
+            "model factors differ".into(),
+        );
+    }
+    identity(local, remote, expected, &mut add);
+    let ratio = tp(local, remote, expected, &mut add);
+    regions(local, remote, &mut add);
+
+    // Hybrid MLA pulls view the remote in the common block unit first (C.6).
+    let split = remote_block_split(local, remote);
+    let remote_eff = split.as_ref().unwrap_or(remote);
+    let bsr = match block_size_ratio(local.kernel_block_size, remote_eff.kernel_block_size) {
+        Ok(b) => Some(b),
+        Err(msg) => {
+            add(
+                "block_size_ratio",
+                format!("kernel block {}", local.kernel_block_size),
+                format!("kernel block {}", remote.kernel_block_size),
+                format!("{msg}; only a remote block dividing the local one is addressable"),
+            );
+            None
+        }
+    };
+    heads(local, remote, ratio, &mut add);
+    if has_ssm(local) && local.ppl != remote_eff.ppl && (local.prefix_caching || remote.prefix_caching) {
+        add(
+            "prefix_caching_hetero_ppl",
+            format!("ppl {}, prefix caching {}", local.ppl, local.prefix_caching),
+            format!("ppl {}, prefix caching {}", remote_eff.ppl, remote.prefix_caching),
+            "SSM hybrids cannot trim prefix hits when kernel blocks per logical block differ".into(),
+        );
+    }
+    let same_count = local.regions.len() == remote.regions.len();
+    if let (Some(bsr), true) = (bsr, same_count) {
+        if has_ssm(local) && local.use_mla {
+            hybrid_mla_block_len(local, remote_eff, bsr, &mut add);
+        } else {
+            attention_block_len(local, remote_eff, bsr, ratio, &mut add);
+        }
+    }
+    if has_ssm(local) && has_ssm(remote) {
+        ssm_sizes(local, remote, &mut add);
+    }
+    if local.attn_backend != remote.attn_backend {
+        add(
+            "attn_backend",
+            local.attn_backend.clone(),
+            remote.attn_backend.clone(),
+            String::new(),
+        );
+    }
+    if out.is_empty() && GeometryKey::of(local) != GeometryKey::of(remote) {
+        out.push(Finding::new(
+            "geometry_fingerprint",
+            fingerprint(local),
+            fingerprint(remote),
+            "TP-invariant region geometry differs",
+        ));
+    }
+    out
+}
+
+type Add<'a> = dyn FnMut(&str, String, String, String) + 'a;
+
+fn identity(local: &AgentMeta, remote: &AgentMeta, expected: &Expected, add: &mut Add<'_>) {
+    if remote.engine_id.is_empty() || remote.engine_id == local.engine_id {
+        add(
+            "engine_id",
+            format!("{:?}", local.engine_id),
+            format!("{:?}", remote.engine_id),
+            "the peer must be another, named engine".into(),
+        );
+    }
+    if let Some(want) = &expected.engine_id {
+        if *want != remote.engine_id {
+            add(
+                "engine_id",
+                format!("expected {want:?}"),
+                format!("{:?}", remote.engine_id),
+                String::new(),
+            );
+        }
+    }
+    if local.transfer_mode != remote.transfer_mode {
+        add(
+            "transfer_mode",
+            format!("{:?}", local.transfer_mode),
+            format!("{:?}", remote.transfer_mode),
+            String::new(),
+        );
+    }
+    if let Some(n) = expected.num_blocks {
+        if n != remote.num_blocks {
+            add(
+                "num_blocks",
+                format!("expected {n} (the peer's other ranks)"),
+                remote.num_blocks.to_string(),
+                "all ranks of an engine advertise the same kernel block count".into(),
+            );
+        }
+    }
+    if has_ssm(remote) {
+        let uneven: Vec<u64> = remote.regions.iter().map(|r| r.num_blocks).collect();
+        if uneven.iter().any(|&n| n != remote.num_blocks) {
+            add(
+                "region_num_blocks",
+                format!("num_blocks {}", remote.num_blocks),
+                list(&uneven),
+                "SSM models use one kernel block count for every region".into(),
+            );
+        }
+    }
+}
+
+fn tp(local: &AgentMeta, remote: &AgentMeta, expected: &Expected, add: &mut Add<'_>) -> Option<i64> {
+    if let Some(t) = expected.tp_size {
+        if t != remote.tp_size {
+            add(
+                "tp_size",
+                format!("expected {t}"),
+                remote.tp_size.to_string(),
+                String::new(),
+            );
+        }
+    }
+    match tp_ratio(local.tp_size, remote.tp_size) {
+        Ok(r) => {
+            let targets: Vec<u32> = if r > 0 {
+                vec![local.tp_rank / r as u32]
+            } else {
+                let n = r.unsigned_abs() as u32;
+                (0..n).map(|i| local.tp_rank * n + i).collect()
+            };
+            if !targets.contains(&remote.tp_rank) {
+                add(
+                    "tp_peer",
+                    format!("rank {}/{}", local.tp_rank, local.tp_size),
+                    format!("rank {}/{}", remote.tp_rank, remote.tp_size),
+                    format!("local rank exchanges with remote ranks {targets:?}"),
+                );
+            }
+            Some(r)
+        }
+        Err(msg) => {
+            add(
+                "tp_divisibility",
+                local.tp_size.to_string(),
+                remote.tp_size.to_string(),
+                msg,
+            );
+            None
+        }
+    }
+}
+
+fn regions(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
+    let (lk, rk) = (GeometryKey::of(local), GeometryKey::of(remote));
+    if lk.region_names.len() != rk.region_names.len() {
+        add(
+            "region_count",
+            lk.region_names.len().to_string(),
+            rk.region_names.len().to_string(),
+            "both sides must register the same caches".into(),
+        );
+    }
+    let mut diff = |check: &str, l: String, r: String, why: &str| {
+        if l != r {
+            add(check, l, r, why.to_string());
+        }
+    };
+    let same = "must name the same model caches in the same order";
+    diff("region_names", list(&lk.region_names), list(&rk.region_names), same);
+    if lk.region_names.len() == rk.region_names.len() {
+        diff(
+            "region_mla_flags",
+            list(&lk.region_is_mla),
+            list(&rk.region_is_mla),
+            "REPLICATE/SPLIT must agree",
+        );
+        diff("region_groups", list(&lk.region_groups), list(&rk.region_groups), "");
+    }
+    diff("group_kinds", list(&lk.groups), list(&rk.groups), "");
+    diff("ssm_regions", list(&lk.ssm_regions), list(&rk.ssm_regions), "");
+    diff("use_mla", lk.use_mla.to_string(), rk.use_mla.to_string(), "");
+    diff(
+        "total_num_kv_heads",
+        lk.total_num_kv_heads.to_string(),
+        rk.total_num_kv_heads.to_string(),
+        "",
+    );
+    if !local.use_mla && local.kv_layout != remote.kv_layout {
+        add(
+            "kv_layout",
+            local.kv_layout.clone(),
+            remote.kv_layout.clone(),
+            "head splitting needs one layout".into(),
+        );
+    }
+}
+
+/// Head-split checks for non-MLA attention (E.3 #5 and #11).
+fn heads(local: &AgentMeta, remote: &AgentMeta, ratio: Option<i64>, add: &mut Add<'_>) {
+    let Some(ratio) = ratio else { return };
+    if local.use_mla || !local.groups.contains(&GroupKind::Attention) {
+        return;
+    }
+    let k = local.total_num_kv_heads;
+    let replicated = |m: &AgentMeta| u64::from(m.tp_size) > k;
+    if ratio.abs() != 1 && !replicated(remote) {
+        for (side, m) in [("local", local), ("remote", remote)] {
+            if !HEAD_CONTIGUOUS_LAYOUTS.contains(&m.kv_layout.as_str()) {
+                add(
+                    "head_contiguity",
+                    local.kv_layout.clone(),
+                    remote.kv_layout.clone(),
+                    format!("heterogeneous TP splits heads, which needs one of {HEAD_CONTIGUOUS_LAYOUTS:?} ({side})"),
+                );
+                break;
+            }
+        }
+    }
+    let (p, d) = match local.transfer_mode {
+        TransferMode::Pull => (remote, local),
+        TransferMode::Push => (local, remote),
+    };
+    if p.tp_size > d.tp_size && replicated(p) {
+        add(
+            "gqa_replication",
+            format!("tp {}", local.tp_size),
+            format!("tp {}", remote.tp_size),
+            format!(
+                "prefill TP {} > decode TP {} while prefill replicates the {k} KV heads is not supported",
+                p.tp_size, d.tp_size
+            ),
+        );
+    }
+}
+
+/// vLLM PR #49762 (E.3 #12): hybrid MLA+SSM kernel pages must match up to the block-size ratio.
+fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, bsr: u64, add: &mut Add<'_>) {
+    let l: Vec<u64> = local.regions.iter().map(|r| r.block_len).collect();
+    let r: Vec<u64> = remote.regions.iter().map(|r| r.block_len).collect();
+    if l.iter()
+        .zip(&r)
+        .any(|(&l, &r)| u128::from(l) != u128::from(r) * u128::from(bsr))
+    {
+        add(
+            "hybrid_mla_block_len",
+            list(&l),
+            list(&r),
+            format!("hybrid MLA+SSM requires local block_len == remote block_len x block_size_ratio {bsr} per region"),
+        );
+    }
+}
+
+/// E.3 #13: attention regions of models that are not hybrid MLA, REPLICATE versus SPLIT. vLLM skips
+/// SSM hybrids entirely (#14); here only regions that host SSM state are skipped.
+fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, bsr: u64, ratio: Option<i64>, add: &mut Add<'_>) {
+    let Some(ratio) = ratio else { return };
+    let k = local.total_num_kv_heads;
+    let remote_replicated = u64::from(remote.tp_size) > k;
+    let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
+    let mut expected = Vec::new();
+    let mut bad = false;
+    for (i, (l, r)) in local.regions.iter().zip(&remote.regions).enumerate() {
+        if local.ssm_regions.contains(&(i as u32)) {
+            expected.push("ssm".to_string()); // padded state pages: covered by the SSM size checks
+            continue;
+        }
+        let want = if local.use_mla || remote_replicated || l.is_mla {
+            (l.block_len % bsr == 0).then(|| u128::from(l.block_len / bsr))
+        } else {
+            let scaled = u128::from(l.block_len) * u128::from(rh) / u128::from(lh);
+            if ratio > 0 {
+                Some(scaled / u128::from(bsr))
+            } else {
+                (bsr == 1).then_some(scaled)
+            }
+        };
+        bad |= want != Some(u128::from(r.block_len));
+        expected.push(want.map_or("-".into(), |w| w.to_string()));
+    }
+    if bad {
+        let l: Vec<u64> = local.regions.iter().map(|r| r.block_len).collect();
+        let r: Vec<u64> = remote.regions.iter().map(|r| r.block_len).collect();
+        add(
+            "attention_block_len",
+            list(&l),
+            list(&r),
+            format!(
+                "expected remote [{}] for block_size_ratio {bsr}, tp_ratio {ratio}, heads {lh}/{rh} per rank ('-': unsupported)",
+                expected.join(", ")
+            ),
+        );
+    }
+}
+
+/// Not checked by vLLM for non-MLA SSM hybrids: per-rank state sizes must scale with the TP ratio.
+fn ssm_sizes(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
+    let (lt, rt) = (u128::from(local.tp_size), u128::from(remote.tp_size));
+    let expect = |l: u64| {
+        let global = u128::from(l) * lt;
+        if global % rt == 0 {
+            (global / rt).to_string()
+        } else {
+            format!("{global}/{rt} (not whole)")
+        }
+    };
+    let mut check = |name: &str, l: u64, r: u64| {
+        if u128::from(l) * lt != u128::from(r) * rt {
+            add(
+                name,
+                format!("{l} at tp {}", local.tp_size),
+                format!("{r} at tp {}", remote.tp_size),
+                format!("expected remote {} (local x local tp / remote tp)", expect(l)),
+            );
+        }
+    };
+    check("ssm_conv_bytes", local.ssm_sizes.0, remote.ssm_sizes.0);
+    check("ssm_temporal_bytes", local.ssm_sizes.1, remote.ssm_sizes.1);
+    if local.conv_proj_bytes.len() != remote.conv_proj_bytes.len() {
+        add(
+            "conv_proj_count",
+            local.conv_proj_bytes.len().to_string(),
+            remote.conv_proj_bytes.len().to_string(),
+            String::new(),
+        );
+    } else {
+        for (i, (&l, &r)) in local.conv_proj_bytes.iter().zip(&remote.conv_proj_bytes).enumerate() {
+            check(&format!("conv_proj_bytes[{i}]"), l, r);
+        }
+    }
+}
+
+/// Validate a peer with nothing known in advance about it.
+///
+/// # Errors
+/// [`HandshakeError::Incompatible`] listing every finding.
+pub fn validate(local: &AgentMeta, remote: &AgentMeta) -> Result<(), HandshakeError> {
+    validate_expected(local, remote, &Expected::default())
+}
+
+/// Validate a peer against what this side expects of it (engine id, TP size, block count).
+///
+/// # Errors
+/// [`HandshakeError::Incompatible`] listing every finding, one line each.
+pub fn validate_expected(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> Result<(), HandshakeError> {
+    let f = findings(local, remote, expected);
+    if f.is_empty() {
+        Ok(())
+    } else {
+        Err(HandshakeError::Incompatible(f))
+    }
+}
