@@ -62,6 +62,7 @@ class _Peer:
     rank: int
     tables_fn: Callable[[bytes], Mapping[str, npt.ArrayLike]]
     validate: Callable[[bytes], object] | None
+    timeout_s: float
     deadline: float
     state: str = "connecting"  # connecting | ready | down
     reason: str = ""
@@ -225,7 +226,7 @@ class Endpoint:
             for req in self._live_for(old.key):
                 self._fail(req, f"peer {peer!r} is reconnecting")
             self._drop_remote(old)
-        state = _Peer(peer, address, rank, tables, validate, time.monotonic() + timeout_s)
+        state = _Peer(peer, address, rank, tables, validate, timeout_s, time.monotonic() + timeout_s)
         thread = threading.Thread(
             target=self._handshake, args=(state, timeout_s), name=f"hkv-handshake-{peer}", daemon=True
         )
@@ -427,7 +428,7 @@ class Endpoint:
         where = f"peer {peer.key!r} at {peer.address}"
         result = peer.result
         if result is None:
-            return self._peer_down(peer, f"handshake with {where} timed out")
+            return self._peer_down(peer, f"handshake with {where} failed: no reply within {peer.timeout_s:g} s")
         if isinstance(result, BaseException):
             return self._peer_down(peer, f"handshake with {where} failed: {result}")
         payload, nixl_md = result
