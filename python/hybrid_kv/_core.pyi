@@ -75,3 +75,38 @@ class RegionTable:
 
     def agent_meta_json(self, engine_info_json: str) -> str:
         """Handshake metadata of this rank as JSON."""
+
+# Handshake (rust/py/handshake.rs). Metadata is wire bytes (msgpack) or JSON; a finding is
+# ``(check, local, remote, detail)``.
+
+def encode_meta(meta_json: str) -> bytes:
+    """Encode metadata JSON (as ``RegionTable.agent_meta_json`` returns it) into wire bytes."""
+
+def decode_meta(data: bytes) -> str:
+    """Decode a peer's untrusted wire bytes into metadata JSON; raises ``HandshakeError``."""
+
+def meta_fingerprint(data: bytes) -> str:
+    """Hex SHA-256 of the TP-invariant region geometry of wire bytes."""
+
+def compat_hash(factors_json: str) -> str:
+    """Hex SHA-256 over the model factors (E.2), given as JSON."""
+
+def handshake_findings(
+    local: bytes,
+    remote: bytes,
+    *,
+    expected_engine_id: str | None = None,
+    expected_tp_size: int | None = None,
+    expected_num_blocks: int | None = None,
+) -> list[tuple[str, str, str, str]]:
+    """Every failed handshake check as ``(check, local, remote, detail)``; empty when compatible."""
+
+def validate_handshake(
+    local: bytes,
+    remote: bytes,
+    *,
+    expected_engine_id: str | None = None,
+    expected_tp_size: int | None = None,
+    expected_num_blocks: int | None = None,
+) -> None:
+    """Raise ``HandshakeError`` (one line per finding, ``findings`` attribute) unless compatible."""

@@ -2,6 +2,7 @@
 
 mod arrays;
 mod errors;
+mod handshake;
 mod region;
 
 use pyo3::prelude::*;
@@ -13,6 +14,11 @@ mod _core {
 
     #[pymodule_export]
     use super::region::PyRegionTable;
+
+    #[pymodule_export]
+    use super::handshake::{
+        compat_hash, decode_meta, encode_meta, handshake_findings, meta_fingerprint, validate_handshake,
+    };
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
