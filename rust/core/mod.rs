@@ -6,9 +6,16 @@ pub mod error;
 pub mod handshake;
 pub mod layout;
 pub mod meta;
+pub mod plan;
+pub mod plan_error;
 pub mod ratio;
 pub mod region;
+pub mod remote;
 pub mod spec;
+pub mod split;
+pub mod tp;
+pub mod trim;
+pub mod units;
 
 pub use descs::{DescTable, StridedRow};
 pub use error::LayoutError;
@@ -19,5 +26,7 @@ pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec}
 pub mod fixtures;
 mod natural;
 
+#[cfg(test)]
+mod plan_tests;
 #[cfg(test)]
 mod region_tests;

@@ -1,0 +1,567 @@
+//! Per-peer transfer planning: [`PeerPlan`] precomputes everything one local rank needs to move requests to
+//! or from one peer engine; [`PeerPlan::plan`] turns one request's block ids into descriptor-id pairs.
+//!
+//! Design notes:
+//! * **Roles.** Local is the rank that posts the transfer: decode in pull mode (READ), prefill in push mode
+//!   (WRITE). The TP mapping, tables and ids are all computed from the local view, as vLLM does.
+//! * **Tables.** One local base table (whole kernel blocks, or `Bsr(n)` sub-blocks when the local kernel
+//!   block is cut into `n` common units), split copies of it when the local TP is smaller than the remote TP
+//!   and some descriptor must be cut per remote piece, and one table per handshaked remote rank. Split tables
+//!   keep the base table's flat layout, so a request's local ids are the same whichever table they index.
+//! * **Ids.** Emitted region-major (every region's attention ids, then every SSM region's streams), each list
+//!   in request order, so a request whose blocks ascend gives ascending, mostly consecutive ids that NIXL
+//!   can merge. Ids are computed arithmetically from list windows; nothing is sorted or hashed per request.
+//! * **Who writes what.** Pull reads follow vLLM's mapping (one source per head slice, every SSM shard).
+//!   Push differs on purpose where vLLM would double-write or skip bytes: attention goes to *every* covered
+//!   decode rank (MLA whole, GQA at the rank's head slot, so replicated decode heads are filled too), and
+//!   when several prefill ranks hold the same heads for one decode rank only the first of them writes them.
+//! * **Addresses** stay `u64` and are never dereferenced; `moves` resolves ids back to byte ranges so a plan
+//!   can be checked independently of how descriptors are indexed.
+
+use super::descs::DescTable;
+use super::meta::{AgentMeta, TransferMode};
+use super::plan_error::{mismatch, PlanError, Side};
+use super::region::{GroupKind, RegionTable};
+use super::remote::{hosts_attention, remote_table};
+use super::split::{split_table, Piece};
+use super::tp::TpMapping;
+use super::trim::{trim, GroupTrim, Window};
+use super::units::BlockUnits;
+
+/// Which local table a transfer indexes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TableKey {
+    /// The local table at the local kernel block.
+    Whole,
+    /// The local table with every kernel block cut into this many common units.
+    Bsr(u64),
+    /// The split table of the i-th remote piece.
+    Split(usize),
+}
+
+/// One NIXL transfer: pairs of descriptor ids into a local and a remote table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankTransfer {
+    /// Remote TP rank.
+    pub remote_rank: u32,
+    /// Local table the local ids index.
+    pub local_table: TableKey,
+    /// Remote table the remote ids index (keyed by remote rank).
+    pub remote_table: u32,
+    /// Local descriptor ids.
+    pub local_ids: Vec<i32>,
+    /// Remote descriptor ids (same length; pairs move equal byte counts).
+    pub remote_ids: Vec<i32>,
+}
+
+/// The transfers of one request between one local rank and one peer engine.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// Transfers with at least one descriptor, in remote-rank order.
+    pub transfers: Vec<RankTransfer>,
+    /// Every handshaked remote rank: each must be told the request is done, transferred to or not.
+    pub notify_ranks: Vec<u32>,
+}
+
+/// Which groups one remote rank exchanges, through which local table.
+#[derive(Debug, Clone)]
+struct Route {
+    remote_rank: u32,
+    table: TableKey,
+    groups: Vec<bool>,
+}
+
+/// Descriptor-id geometry of one side.
+#[derive(Debug, Clone)]
+struct IdSpace {
+    /// Flat start of every region's attention descriptors.
+    region_start: Vec<u64>,
+    /// Flat start of every (SSM region, stream), in table order.
+    ssm_start: Vec<u64>,
+    /// Common units per logical attention block (`ppl * sub`).
+    units_per_logical: u64,
+    /// Tokens per logical block.
+    logical_tokens: u64,
+    /// Largest logical id + 1 of every group.
+    group_cap: Vec<u64>,
+}
+
+impl IdSpace {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        counts: &[u64],
+        num_fa: u64,
+        ssm_streams: usize,
+        ppl: u64,
+        sub: u64,
+        logical_tokens: u64,
+        num_logical: u64,
+        region_groups: &[Vec<usize>],
+        groups: &[GroupKind],
+    ) -> IdSpace {
+        let mut region_start = Vec::with_capacity(counts.len());
+        let mut acc = 0;
+        for c in counts {
+            region_start.push(acc);
+            acc += c;
+        }
+        let ssm_start = (0..ssm_streams as u64).map(|s| num_fa + s * num_logical).collect();
+        let group_cap = (0..groups.len())
+            .map(|g| {
+                let regions = region_groups.iter().enumerate().filter(|(_, gs)| gs.contains(&g));
+                regions
+                    .map(|(r, _)| counts[r] / (ppl * sub))
+                    .fold(num_logical, u64::min)
+            })
+            .collect();
+        IdSpace {
+            region_start,
+            ssm_start,
+            units_per_logical: ppl * sub,
+            logical_tokens,
+            group_cap,
+        }
+    }
+
+    fn check(&self, side: Side, ids: &[Vec<u64>]) -> Result<(), PlanError> {
+        if ids.len() != self.group_cap.len() {
+            return Err(PlanError::GroupCount {
+                side,
+                got: ids.len(),
+                expected: self.group_cap.len(),
+            });
+        }
+        for (g, (list, &cap)) in ids.iter().zip(&self.group_cap).enumerate() {
+            if let Some(&id) = list.iter().find(|&&id| id >= cap) {
+                return Err(PlanError::BlockOutOfRange {
+                    side,
+                    group: g,
+                    id,
+                    limit: cap,
+                    unit: "logical",
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Everything one local rank needs to plan requests against one peer engine.
+#[derive(Debug, Clone)]
+pub struct PeerPlan {
+    /// Transfer mode (pull: local is decode; push: local is prefill).
+    pub mode: TransferMode,
+    /// TP mapping of the local rank.
+    pub mapping: TpMapping,
+    /// Common unit of the two kernel block sizes.
+    pub units: BlockUnits,
+    /// Local tables by key: the base table first, then the split tables.
+    pub local_tables: Vec<(TableKey, DescTable)>,
+    /// Remote tables by remote rank, ascending.
+    pub remote_tables: Vec<(u32, DescTable)>,
+    groups: Vec<GroupKind>,
+    region_groups: Vec<Vec<usize>>,
+    ssm_groups: Vec<usize>,
+    ssm_streams: usize,
+    local: IdSpace,
+    remote: IdSpace,
+    routes: Vec<Route>,
+}
+
+const ID_LIMIT: u64 = i32::MAX as u64;
+
+fn check_geometry(remotes: &[AgentMeta]) -> Result<(), PlanError> {
+    let key = |m: &AgentMeta| {
+        let regions: Vec<_> = m
+            .regions
+            .iter()
+            .map(|r| (r.block_len, r.block_stride, r.num_blocks, r.is_mla, r.group))
+            .collect();
+        (
+            m.engine_id.clone(),
+            m.tp_size,
+            m.kernel_block_size,
+            m.ppl,
+            m.num_logical_blocks,
+            m.ssm_sizes,
+            regions,
+        )
+    };
+    let first = key(&remotes[0]);
+    for m in &remotes[1..] {
+        if key(m) != first {
+            return Err(mismatch(
+                format!("geometry of remote rank {} vs rank {}", m.tp_rank, remotes[0].tp_rank),
+                first.clone(),
+                key(m),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl PeerPlan {
+    /// Precompute the mapping and tables of `local` against `remotes`: the handshake metadata of every remote
+    /// rank this local rank talks to (the handshake targets of reference C.2), all of one peer engine.
+    ///
+    /// # Errors
+    /// A [`PlanError`] naming both sides' values: TP sizes that do not divide, remote ranks that are not the
+    /// handshake targets, mismatched modes, regions, groups, pages or SSM state sizes, unsupported
+    /// combinations, or tables too large for int32 descriptor ids.
+    pub fn new(local: &RegionTable, remotes: &[AgentMeta], mode: TransferMode) -> Result<PeerPlan, PlanError> {
+        let Some(first) = remotes.first() else {
+            return Err(PlanError::RemoteRanks {
+                given: Vec::new(),
+                needed: vec![],
+            });
+        };
+        check_geometry(remotes)?;
+        if first.transfer_mode != mode {
+            return Err(mismatch("transfer mode", mode, first.transfer_mode));
+        }
+        let groups = local.groups.clone();
+        let mapping = TpMapping::compute(
+            local.tp_rank,
+            local.tp_size,
+            first.tp_size,
+            local.total_num_kv_heads,
+            local.use_mla,
+            &groups,
+        )?;
+        let mut given: Vec<u32> = remotes.iter().map(|m| m.tp_rank).collect();
+        given.sort_unstable();
+        if given != mapping.covered_ranks() {
+            return Err(PlanError::RemoteRanks {
+                given,
+                needed: mapping.covered_ranks(),
+            });
+        }
+        let units = BlockUnits::new(local.geometry.kernel_block_size, first.kernel_block_size)?;
+        let mut remote_tables = Vec::with_capacity(remotes.len());
+        for m in remotes {
+            let t = remote_table(local, m, &mapping, units)?;
+            if t.len() > ID_LIMIT {
+                return Err(PlanError::TableTooLarge {
+                    side: Side::Remote,
+                    len: t.len(),
+                    limit: ID_LIMIT,
+                });
+            }
+            remote_tables.push((m.tp_rank, t));
+        }
+        remote_tables.sort_by_key(|(r, _)| *r);
+        let base = local.local_table(units.local_sub)?;
+        if base.len() > ID_LIMIT {
+            return Err(PlanError::TableTooLarge {
+                side: Side::Local,
+                len: base.len(),
+                limit: ID_LIMIT,
+            });
+        }
+        let region_groups: Vec<Vec<usize>> = local
+            .regions
+            .iter()
+            .map(|r| {
+                (0..groups.len())
+                    .filter(|&g| groups[g].is_attention() && (r.group.is_none() || r.group == Some(g as u32)))
+                    .collect()
+            })
+            .collect();
+        let ssm_groups: Vec<usize> = (0..groups.len()).filter(|&g| groups[g] == GroupKind::Ssm).collect();
+        let ssm_streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams()) * local.ssm_regions.len();
+        let l_counts: Vec<u64> = local.regions.iter().map(|r| r.num_blocks * units.local_sub).collect();
+        let r_counts: Vec<u64> = first.regions.iter().map(|r| r.num_blocks * units.remote_sub).collect();
+        let geo = &local.geometry;
+        let local_space = IdSpace::new(
+            &l_counts,
+            base.num_fa,
+            ssm_streams,
+            geo.ppl,
+            units.local_sub,
+            geo.logical_block_size,
+            geo.num_logical_blocks,
+            &region_groups,
+            &groups,
+        );
+        let remote_space = IdSpace::new(
+            &r_counts,
+            remote_tables[0].1.num_fa,
+            ssm_streams,
+            first.ppl,
+            units.remote_sub,
+            first.logical_block_size,
+            first.num_logical_blocks,
+            &region_groups,
+            &groups,
+        );
+        let base_key = if units.local_sub == 1 {
+            TableKey::Whole
+        } else {
+            TableKey::Bsr(units.local_sub)
+        };
+        let (routes, pieces) = routes(local, &mapping, mode, base_key, &groups);
+        let replicated: Vec<bool> = local
+            .regions
+            .iter()
+            .map(|r| r.is_mla || !hosts_attention(r.group, &groups))
+            .collect();
+        let mut local_tables = Vec::with_capacity(1 + pieces.len());
+        for (i, piece) in pieces.iter().enumerate() {
+            local_tables.push((TableKey::Split(i), split_table(&base, &replicated, &l_counts, *piece)?));
+        }
+        local_tables.insert(0, (base_key, base));
+        Ok(PeerPlan {
+            mode,
+            mapping,
+            units,
+            local_tables,
+            remote_tables,
+            groups,
+            region_groups,
+            ssm_groups,
+            ssm_streams,
+            local: local_space,
+            remote: remote_space,
+            routes,
+        })
+    }
+
+    /// The local table of `key`.
+    pub fn local_table(&self, key: TableKey) -> Option<&DescTable> {
+        self.local_tables.iter().find(|(k, _)| *k == key).map(|(_, t)| t)
+    }
+
+    /// The table of remote rank `rank`.
+    pub fn remote_table(&self, rank: u32) -> Option<&DescTable> {
+        self.remote_tables.iter().find(|(r, _)| *r == rank).map(|(_, t)| t)
+    }
+
+    /// Plan one request from each side's *logical* block ids per group (in group order).
+    ///
+    /// Each side's attention ids are expanded with its own kernel blocks per logical block and cut into the
+    /// common unit; then decode and prefill lists are paired (prefix-cache trimming, reference D.5).
+    ///
+    /// # Errors
+    /// `GroupCount` for a wrong number of groups, `BlockOutOfRange` for an id outside its side's pool (naming
+    /// the id and the limit), `UnpairableSsm` / `UnalignedAttention` for lists that cannot be paired.
+    pub fn plan(&self, local_ids: &[Vec<u64>], remote_ids: &[Vec<u64>]) -> Result<Plan, PlanError> {
+        self.local.check(Side::Local, local_ids)?;
+        self.remote.check(Side::Remote, remote_ids)?;
+        let (lu, ru) = (self.local.units_per_logical, self.remote.units_per_logical);
+        let same = self.local.logical_tokens == self.remote.logical_tokens;
+        let mut lw = Vec::with_capacity(self.groups.len());
+        let mut rw = Vec::with_capacity(self.groups.len());
+        for (g, &kind) in self.groups.iter().enumerate() {
+            let (lm, rm) = if kind.is_attention() { (lu, ru) } else { (1, 1) };
+            let (nl, nr) = (local_ids[g].len() as u64 * lm, remote_ids[g].len() as u64 * rm);
+            let t = GroupTrim {
+                group: g,
+                kind,
+                same_logical_tokens: same,
+                slack: lu + ru,
+            };
+            let (l, r) = match self.mode {
+                TransferMode::Pull => trim(t, nl, nr)?,
+                TransferMode::Push => {
+                    let (d, p) = trim(t, nr, nl)?;
+                    (p, d)
+                }
+            };
+            lw.push(l);
+            rw.push(r);
+        }
+        let units = |ids: &[Vec<u64>], w: &[Window], u: u64| -> Vec<Vec<u64>> {
+            self.groups
+                .iter()
+                .enumerate()
+                .map(|(g, k)| {
+                    if k.is_attention() {
+                        window_units(&ids[g], u, w[g])
+                    } else {
+                        w[g].of(&ids[g]).to_vec()
+                    }
+                })
+                .collect()
+        };
+        let (l_units, r_units) = (units(local_ids, &lw, lu), units(remote_ids, &rw, ru));
+        let mut done: Vec<(&[bool], usize)> = Vec::new();
+        let mut transfers: Vec<RankTransfer> = Vec::with_capacity(self.routes.len());
+        for route in &self.routes {
+            let (local_ids, remote_ids) = match done.iter().find(|(m, _)| *m == route.groups.as_slice()) {
+                Some(&(_, i)) => (transfers[i].local_ids.clone(), transfers[i].remote_ids.clone()),
+                None => self.emit(&route.groups, &l_units, &r_units),
+            };
+            if local_ids.is_empty() {
+                continue;
+            }
+            done.push((&route.groups, transfers.len()));
+            transfers.push(RankTransfer {
+                remote_rank: route.remote_rank,
+                local_table: route.table,
+                remote_table: route.remote_rank,
+                local_ids,
+                remote_ids,
+            });
+        }
+        Ok(Plan {
+            transfers,
+            notify_ranks: self.remote_tables.iter().map(|(r, _)| *r).collect(),
+        })
+    }
+
+    /// Region-major ids of the groups in `mask`.
+    fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>]) -> (Vec<i32>, Vec<i32>) {
+        let mut n = 0;
+        for gs in &self.region_groups {
+            n += gs
+                .iter()
+                .filter(|&&g| mask[g])
+                .map(|&g| l_units[g].len())
+                .sum::<usize>();
+        }
+        n += self.ssm_streams
+            * self
+                .ssm_groups
+                .iter()
+                .filter(|&&g| mask[g])
+                .map(|&g| l_units[g].len())
+                .sum::<usize>();
+        let (mut lo, mut ro) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (r, gs) in self.region_groups.iter().enumerate() {
+            for &g in gs.iter().filter(|&&g| mask[g]) {
+                let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
+                lo.extend(l_units[g].iter().map(|&u| (ls + u) as i32));
+                ro.extend(r_units[g].iter().map(|&u| (rs + u) as i32));
+            }
+        }
+        for s in 0..self.ssm_streams {
+            for &g in self.ssm_groups.iter().filter(|&&g| mask[g]) {
+                let (ls, rs) = (self.local.ssm_start[s], self.remote.ssm_start[s]);
+                lo.extend(l_units[g].iter().map(|&b| (ls + b) as i32));
+                ro.extend(r_units[g].iter().map(|&b| (rs + b) as i32));
+            }
+        }
+        (lo, ro)
+    }
+
+    /// Resolve a transfer into byte moves `[local_addr, remote_addr, len]`, one per descriptor pair.
+    ///
+    /// # Errors
+    /// `BadTransfer` when a table or id does not exist or a pair's lengths differ.
+    pub fn moves(&self, t: &RankTransfer) -> Result<Vec<[u64; 3]>, PlanError> {
+        let lt = self
+            .local_table(t.local_table)
+            .ok_or_else(|| PlanError::BadTransfer(format!("no local table {:?}", t.local_table)))?;
+        let rt = self
+            .remote_table(t.remote_table)
+            .ok_or_else(|| PlanError::BadTransfer(format!("no remote table for rank {}", t.remote_table)))?;
+        if t.local_ids.len() != t.remote_ids.len() {
+            return Err(PlanError::BadTransfer(format!(
+                "{} local ids but {} remote ids",
+                t.local_ids.len(),
+                t.remote_ids.len()
+            )));
+        }
+        let desc = |table: &DescTable, id: i32, side: Side| {
+            u64::try_from(id).ok().and_then(|i| table.desc(i)).ok_or_else(|| {
+                PlanError::BadTransfer(format!(
+                    "{side} descriptor id {id} is out of range for a table of {}",
+                    table.len()
+                ))
+            })
+        };
+        let mut out = Vec::with_capacity(t.local_ids.len());
+        for (&l, &r) in t.local_ids.iter().zip(&t.remote_ids) {
+            let ((la, ll), (ra, rl)) = (desc(lt, l, Side::Local)?, desc(rt, r, Side::Remote)?);
+            if ll != rl {
+                return Err(PlanError::BadTransfer(format!(
+                    "local descriptor {l} has {ll} bytes but remote descriptor {r} has {rl}"
+                )));
+            }
+            out.push([la, ra, ll]);
+        }
+        Ok(out)
+    }
+}
+
+impl Plan {
+    /// Byte moves of transfer `i`, resolved through `peer`'s tables (see [`PeerPlan::moves`]).
+    ///
+    /// # Errors
+    /// `BadTransfer` when `i` is out of range or the transfer does not resolve.
+    pub fn moves(&self, peer: &PeerPlan, i: usize) -> Result<Vec<[u64; 3]>, PlanError> {
+        let t = self.transfers.get(i).ok_or_else(|| {
+            PlanError::BadTransfer(format!(
+                "transfer {i} is out of range for a plan of {} transfers",
+                self.transfers.len()
+            ))
+        })?;
+        peer.moves(t)
+    }
+}
+
+/// Unit ids of the window `w` of the unit expansion of logical `ids` (`u` units per logical block).
+fn window_units(ids: &[u64], u: u64, w: Window) -> Vec<u64> {
+    let mut out = Vec::with_capacity(w.len as usize);
+    let (mut i, end) = (w.start, w.start + w.len);
+    while i < end {
+        let (b, j0) = (i / u, i % u);
+        let j1 = u.min(j0 + (end - i));
+        let base = ids[b as usize] * u;
+        out.extend(base + j0..base + j1);
+        i += j1 - j0;
+    }
+    out
+}
+
+/// Routes (remote rank, local table, groups) and the split pieces they use.
+fn routes(
+    local: &RegionTable,
+    m: &TpMapping,
+    mode: TransferMode,
+    base: TableKey,
+    groups: &[GroupKind],
+) -> (Vec<Route>, Vec<Piece>) {
+    let has_ssm = local.has_ssm();
+    let targets: Vec<u32> = match mode {
+        TransferMode::Pull => m.all_source_ranks.clone(),
+        TransferMode::Push => m.covered_ranks(),
+    };
+    let fa_splits = m.attn_ranks.len() as u64;
+    let head_split = local
+        .regions
+        .iter()
+        .any(|r| !r.is_mla && hosts_attention(r.group, groups))
+        && fa_splits > 1;
+    let needs_split = m.tp_ratio < 0 && (has_ssm || head_split);
+    let mut pieces = Vec::new();
+    let mut out = Vec::with_capacity(targets.len());
+    for &rank in &targets {
+        let sel: Vec<bool> = groups
+            .iter()
+            .enumerate()
+            .map(|(g, kind)| match (mode, kind.is_attention()) {
+                (TransferMode::Pull, _) => m.per_group[g].contains(&rank),
+                (TransferMode::Push, true) => m.tp_ratio < 0 || m.owns_attention(),
+                (TransferMode::Push, false) => m.ssm_ranks.contains(&rank),
+            })
+            .collect();
+        let table = if needs_split {
+            pieces.push(Piece {
+                fa_slot: u64::from(m.attention_slot(rank)),
+                fa_splits,
+                ssm_index: m.ssm_ranks.iter().position(|&r| r == rank).unwrap_or(0) as u64,
+                ssm_splits: if has_ssm { m.ssm_ranks.len() as u64 } else { 0 },
+            });
+            TableKey::Split(pieces.len() - 1)
+        } else {
+            base
+        };
+        out.push(Route {
+            remote_rank: rank,
+            table,
+            groups: sel,
+        });
+    }
+    (out, pieces)
+}

@@ -1,0 +1,239 @@
+//! Remote descriptor tables: what one local rank addresses in one remote rank's memory (reference C.4, C.5).
+//!
+//! The flat layout mirrors the local table (B.5): every region's attention descriptors (one per remote kernel
+//! unit), then per SSM region, per conv sub-projection and the temporal state, one descriptor per remote
+//! logical block. Attention descriptors of a region are either the whole remote unit (MLA, or the local rank
+//! needing every head the remote holds) or the local rank's head slice of it; SSM descriptors are the local
+//! rank's channel / dim-0 share of a larger remote state, or the whole smaller remote share.
+
+use super::descs::{DescTable, StridedRow};
+use super::meta::AgentMeta;
+use super::plan_error::{exact_div, mismatch, PlanError};
+use super::region::{GroupKind, RegionTable};
+use super::tp::TpMapping;
+use super::units::BlockUnits;
+
+/// KV heads one rank of a `tp`-rank engine holds (`max(1, K / tp)`).
+pub fn heads_per_rank(total_kv_heads: u64, tp: u32) -> u64 {
+    (total_kv_heads / u64::from(tp)).max(1)
+}
+
+/// Whether region `group` (its owner group, `None` when shared) hosts attention pages of `groups`.
+pub(crate) fn hosts_attention(group: Option<u32>, groups: &[GroupKind]) -> bool {
+    match group {
+        Some(g) => groups.get(g as usize).is_some_and(|k| k.is_attention()),
+        None => groups.iter().any(|k| k.is_attention()),
+    }
+}
+
+/// Remote SSM sub-streams `(offset, len)` read by the local rank: the conv sub-projections, then the temporal
+/// state (C.5). With the local TP at least the remote TP the local rank's slice of each larger remote stream;
+/// otherwise every remote stream whole.
+///
+/// # Errors
+/// `Mismatch` when the remote state sizes are not the local ones scaled by the TP ratio.
+pub fn remote_ssm_streams(
+    local: &RegionTable,
+    remote: &AgentMeta,
+    mapping: &TpMapping,
+) -> Result<Vec<(u64, u64)>, PlanError> {
+    let Some(split) = &local.conv_split else {
+        return Ok(Vec::new());
+    };
+    let ratio = mapping.tp_ratio;
+    let scale = |v: u64| -> Option<u64> {
+        if ratio > 0 {
+            v.checked_mul(ratio as u64)
+        } else {
+            let abs = ratio.unsigned_abs();
+            (v % abs == 0).then_some(v / abs)
+        }
+    };
+    let expected: Option<Vec<u64>> = split
+        .proj_bytes
+        .iter()
+        .chain([&split.ssm_bytes])
+        .map(|&v| scale(v))
+        .collect();
+    let got: Vec<u64> = remote
+        .conv_proj_bytes
+        .iter()
+        .copied()
+        .chain([remote.ssm_sizes.1])
+        .collect();
+    if expected.as_ref() != Some(&got) || remote.ssm_sizes.0 != remote.conv_proj_bytes.iter().sum::<u64>() {
+        return Err(mismatch(
+            format!("SSM stream bytes (conv sub-projections, temporal) at TP ratio {ratio}; remote must be local scaled by the ratio"),
+            split.proj_bytes.iter().chain([&split.ssm_bytes]).collect::<Vec<_>>(),
+            got,
+        ));
+    }
+    let local_offset = if ratio > 0 {
+        u64::from(mapping.tp_rank) % ratio as u64
+    } else {
+        0
+    };
+    let mut out = Vec::with_capacity(got.len());
+    let mut remote_base = 0u64;
+    for (i, &remote_len) in got.iter().enumerate() {
+        let base = if i + 1 == got.len() {
+            remote.ssm_sizes.0
+        } else {
+            remote_base
+        };
+        if ratio > 0 {
+            let local_len = remote_len / ratio as u64;
+            out.push((base + local_offset * local_len, local_len));
+        } else {
+            out.push((base, remote_len));
+        }
+        remote_base += remote_len;
+    }
+    Ok(out)
+}
+
+/// Build the descriptor table of `remote`'s memory as seen by the local rank of `local`.
+///
+/// `units` says how both sides' kernel blocks are cut into the common token unit.
+///
+/// # Errors
+/// `Mismatch` (with both sides' values) when region counts, names, groups, SSM regions, per-token attention
+/// bytes or SSM state sizes disagree; `NotSupported` when a head-sliced attention page would have to be cut
+/// into sub-blocks; `Indivisible` for pages that do not split evenly.
+pub fn remote_table(
+    local: &RegionTable,
+    remote: &AgentMeta,
+    mapping: &TpMapping,
+    units: BlockUnits,
+) -> Result<DescTable, PlanError> {
+    check_regions(local, remote)?;
+    let dev = u64::from(remote.device_id);
+    let heads_l = heads_per_rank(mapping.total_kv_heads, local.tp_size);
+    let heads_r = heads_per_rank(mapping.total_kv_heads, remote.tp_size);
+    let fa_splits = mapping.attn_ranks.len() as u64;
+    let mut rows = Vec::with_capacity(local.regions.len() + local.ssm_regions.len() * 4);
+    let mut num_fa = 0u64;
+    for (lr, rr) in local.regions.iter().zip(&remote.regions) {
+        let r_unit = exact_div(
+            || format!("remote kernel page of region {}", rr.name),
+            rr.block_len,
+            units.remote_sub,
+        )?;
+        let l_unit = exact_div(
+            || format!("local kernel page of region {}", lr.name),
+            lr.block_len,
+            units.local_sub,
+        )?;
+        let (offset, len) = if !hosts_attention(lr.group, &local.groups) {
+            (0, r_unit)
+        } else {
+            let (hl, hr) = if lr.is_mla { (1, 1) } else { (heads_l, heads_r) };
+            // Bytes per (head, token) must agree: MLA latents are TP-independent, GQA cells are per head.
+            let cell_l = lr.block_len / (local.geometry.kernel_block_size * hl);
+            let cell_r = rr.block_len / (remote.kernel_block_size * hr);
+            if lr.block_len != cell_l * local.geometry.kernel_block_size * hl || cell_l != cell_r {
+                return Err(mismatch(
+                    format!("kernel page of region {} (bytes for kernel blocks of local {} / remote {} tokens, {hl} / {hr} heads per rank)", lr.name, local.geometry.kernel_block_size, remote.kernel_block_size),
+                    lr.block_len,
+                    rr.block_len,
+                ));
+            }
+            if lr.is_mla {
+                (0, l_unit)
+            } else {
+                if !units.is_identity() && (hl > 1 || hr > 1) {
+                    return Err(PlanError::NotSupported(format!(
+                        "attention region {} is heads-major with {hl} (local) / {hr} (remote) heads per rank; cutting kernel blocks of local {} / remote {} tokens into common units would need a per-head layout conversion",
+                        lr.name, local.geometry.kernel_block_size, remote.kernel_block_size
+                    )));
+                }
+                let num_reads = if mapping.tp_ratio < 0 { fa_splits } else { 1 };
+                let len = exact_div(|| format!("local kernel unit of region {}", lr.name), l_unit, num_reads)?;
+                (mapping.rank_offset_factor * l_unit, len)
+            }
+        };
+        if offset + len > r_unit {
+            return Err(mismatch(
+                format!(
+                    "attention slice [{offset}, +{len}) of region {} within the remote unit",
+                    lr.name
+                ),
+                l_unit,
+                r_unit,
+            ));
+        }
+        let count = rr.num_blocks * units.remote_sub;
+        num_fa += count;
+        let addr = rr.base.checked_add(offset).ok_or_else(|| PlanError::AddressOverflow {
+            what: format!("remote region {}", rr.name),
+            addr: rr.base,
+            len: offset,
+        })?;
+        if units.remote_sub == 1 || rr.block_stride == rr.block_len {
+            let stride = if units.remote_sub == 1 { rr.block_stride } else { r_unit };
+            rows.push(StridedRow {
+                addr,
+                len,
+                device: dev,
+                stride,
+                count,
+            });
+        } else {
+            for k in 0..rr.num_blocks {
+                rows.push(StridedRow {
+                    addr: addr + k * rr.block_stride,
+                    len,
+                    device: dev,
+                    stride: r_unit,
+                    count: units.remote_sub,
+                });
+            }
+        }
+    }
+    let streams = remote_ssm_streams(local, remote, mapping)?;
+    for &i in &local.ssm_regions {
+        let rr = &remote.regions[i];
+        for &(off, len) in &streams {
+            rows.push(StridedRow {
+                addr: rr.base + off,
+                len,
+                device: dev,
+                stride: rr.block_stride * remote.ppl,
+                count: remote.num_logical_blocks,
+            });
+        }
+    }
+    Ok(DescTable::new(rows, num_fa))
+}
+
+/// The two sides must describe the same caches in the same order.
+fn check_regions(local: &RegionTable, remote: &AgentMeta) -> Result<(), PlanError> {
+    let names = |it: &mut dyn Iterator<Item = &String>| it.cloned().collect::<Vec<_>>();
+    let (ln, rn) = (
+        names(&mut local.regions.iter().map(|r| &r.name)),
+        names(&mut remote.regions.iter().map(|r| &r.name)),
+    );
+    if ln != rn {
+        return Err(mismatch("regions (first layer of each, in order)", ln, rn));
+    }
+    if local.groups != remote.groups {
+        return Err(mismatch("KV-cache group kinds", &local.groups, &remote.groups));
+    }
+    let lg: Vec<Option<u32>> = local.regions.iter().map(|r| r.group).collect();
+    let rg: Vec<Option<u32>> = remote.regions.iter().map(|r| r.group).collect();
+    if lg != rg {
+        return Err(mismatch("region groups", lg, rg));
+    }
+    let ls: Vec<u32> = local.ssm_regions.iter().map(|&i| i as u32).collect();
+    if ls != remote.ssm_regions {
+        return Err(mismatch("SSM regions", ls, &remote.ssm_regions));
+    }
+    if local.use_mla != remote.use_mla || local.total_num_kv_heads != remote.total_num_kv_heads {
+        return Err(mismatch(
+            "model (use_mla, total KV heads)",
+            (local.use_mla, local.total_num_kv_heads),
+            (remote.use_mla, remote.total_num_kv_heads),
+        ));
+    }
+    Ok(())
+}

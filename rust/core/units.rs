@@ -1,0 +1,100 @@
+//! The common token unit of two kernel block sizes (reference C.6, generalised to both directions).
+//!
+//! vLLM addresses the local side in `bsr = local/remote` sub-blocks when the local kernel block is larger,
+//! and (hybrid MLA pull only) rewrites the remote metadata into `gcd` sub-blocks when neither divides the
+//! other. hybrid-kv always does the second: both sides are cut into units of `gcd(local, remote)` tokens, so
+//! a larger kernel block on either side works, in pull and in push. Attention pages are only cut where a
+//! byte range is a token range (MLA latents, or one head per rank); SSM states are never cut.
+
+use super::plan_error::PlanError;
+
+/// Largest number of units one kernel block may be cut into (vLLM gives up above 128 as well).
+pub const MAX_UNITS_PER_BLOCK: u64 = 128;
+
+/// How two kernel block sizes are cut into a common unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockUnits {
+    /// Tokens per unit (`gcd` of the two kernel block sizes).
+    pub unit_tokens: u64,
+    /// Units per local kernel block (vLLM's `block_size_ratio` when the remote block divides the local one).
+    pub local_sub: u64,
+    /// Units per remote kernel block (vLLM's C.6 split factor).
+    pub remote_sub: u64,
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl BlockUnits {
+    /// Cut `local_kernel` and `remote_kernel` tokens into their greatest common unit.
+    ///
+    /// # Errors
+    /// `Mismatch` when a size is zero or a block would be cut into more than [`MAX_UNITS_PER_BLOCK`] units.
+    pub fn new(local_kernel: u64, remote_kernel: u64) -> Result<BlockUnits, PlanError> {
+        let bad = || PlanError::Mismatch {
+            what: format!(
+                "kernel block size (tokens; at most {MAX_UNITS_PER_BLOCK} common units per block are supported)"
+            ),
+            local: local_kernel.to_string(),
+            remote: remote_kernel.to_string(),
+        };
+        if local_kernel == 0 || remote_kernel == 0 {
+            return Err(bad());
+        }
+        let unit = gcd(local_kernel, remote_kernel);
+        let units = BlockUnits {
+            unit_tokens: unit,
+            local_sub: local_kernel / unit,
+            remote_sub: remote_kernel / unit,
+        };
+        if units.local_sub.max(units.remote_sub) > MAX_UNITS_PER_BLOCK {
+            return Err(bad());
+        }
+        Ok(units)
+    }
+
+    /// True when both sides use their whole kernel blocks.
+    pub fn is_identity(&self) -> bool {
+        self.local_sub == 1 && self.remote_sub == 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_of_both_directions() {
+        assert_eq!(
+            BlockUnits::new(16, 4).unwrap(),
+            BlockUnits {
+                unit_tokens: 4,
+                local_sub: 4,
+                remote_sub: 1
+            }
+        );
+        assert_eq!(
+            BlockUnits::new(4, 16).unwrap(),
+            BlockUnits {
+                unit_tokens: 4,
+                local_sub: 1,
+                remote_sub: 4
+            }
+        );
+        assert_eq!(
+            BlockUnits::new(12, 8).unwrap(),
+            BlockUnits {
+                unit_tokens: 4,
+                local_sub: 3,
+                remote_sub: 2
+            }
+        );
+        assert!(BlockUnits::new(64, 64).unwrap().is_identity());
+        let err = BlockUnits::new(257, 256).unwrap_err().to_string();
+        assert!(err.contains("local 257") && err.contains("remote 256"), "{err}");
+    }
+}
