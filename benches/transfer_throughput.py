@@ -18,34 +18,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import multiprocessing as mp
 import statistics
 import struct
-import sys
 import time
-import types
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-
-def _transport_without_binding() -> None:
-    """Load ``hybrid_kv.transport`` even when the native ``hybrid_kv._core`` is not built."""
-    try:
-        import hybrid_kv  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name != "hybrid_kv._core":
-            raise
-        spec = importlib.util.find_spec("hybrid_kv")
-        assert spec is not None and spec.submodule_search_locations is not None
-        pkg = types.ModuleType("hybrid_kv")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        sys.modules["hybrid_kv"] = pkg
-
-
-_transport_without_binding()
 
 from hybrid_kv.transport import Endpoint, PollResult  # noqa: E402
 

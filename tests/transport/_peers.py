@@ -6,42 +6,17 @@ this importable module.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 import os
 import queue
 import struct
-import sys
 import time
-import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-
-def _transport_without_binding() -> None:
-    """Make ``hybrid_kv.transport`` importable when the native ``hybrid_kv._core`` is not built.
-
-    The transport never imports ``_core``, but the package root does; without a built binding we
-    register a bare ``hybrid_kv`` package so that only the transport's own modules load. This runs
-    in the test process (via conftest) and in every spawned peer process.
-    """
-    try:
-        import hybrid_kv  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name != "hybrid_kv._core":
-            raise
-        spec = importlib.util.find_spec("hybrid_kv")
-        assert spec is not None and spec.submodule_search_locations is not None
-        pkg = types.ModuleType("hybrid_kv")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        sys.modules["hybrid_kv"] = pkg
-
-
-_transport_without_binding()
 
 BLOCKS = 8
 BLOCK = 256

@@ -193,3 +193,13 @@ def test_expanded_nx3_fallback_moves_the_same_bytes(monkeypatch: pytest.MonkeyPa
         d.post("r", [(0, "halves", "halves", ids(BLOCKS + 1, 0), ids(3, BLOCKS + 7))], "READ", 2.0)
         assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
     assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 1, 0], [3, BLOCKS + 7]))
+
+
+def test_transport_errors_join_the_package_hierarchy() -> None:
+    import hybrid_kv
+    from hybrid_kv.transport import HandshakeError as TransportHandshakeError
+    from hybrid_kv.transport import TransferError as TransportTransferError
+
+    assert issubclass(TransportTransferError, hybrid_kv.TransferError)
+    assert issubclass(TransportTransferError, hybrid_kv.HybridKvError)
+    assert TransportHandshakeError is hybrid_kv.HandshakeError

@@ -1,7 +1,7 @@
 """Exceptions raised by the transport.
 
-These are plain ``Exception`` subclasses so that the transport can be used and tested before the
-native binding exists; the package root re-parents them under ``hybrid_kv.HybridKvError``.
+Both derive from the package's exception hierarchy, so ``except hybrid_kv.TransferError`` (or
+``hybrid_kv.HybridKvError``) catches what the transport raises.
 """
 
 from __future__ import annotations
@@ -9,10 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._core import HandshakeError
+from .._core import TransferError as _CoreTransferError
+
 __all__ = ["HandshakeError", "TransferError"]
 
 
-class TransferError(Exception):
+class TransferError(_CoreTransferError):
     """A transfer request was rejected before posting, or failed while in flight.
 
     Attributes:
@@ -28,10 +31,6 @@ class TransferError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), str(self), self.request_id, self.failed))
-
-
-class HandshakeError(Exception):
-    """Connecting to a peer failed: timeout, protocol mismatch, remote error or rejected payload."""
 
 
 def _rebuild(cls: type[TransferError], message: str, request_id: str | None, failed: tuple[Any, ...]) -> TransferError:
