@@ -11,6 +11,7 @@ pub mod plan_error;
 pub mod ratio;
 pub mod region;
 pub mod remote;
+pub mod scenario;
 pub mod spec;
 pub mod split;
 pub mod tp;
@@ -30,3 +31,5 @@ mod natural;
 mod plan_tests;
 #[cfg(test)]
 mod region_tests;
+#[cfg(test)]
+mod oracle_tests;
