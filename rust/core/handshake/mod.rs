@@ -9,6 +9,7 @@
 mod codec;
 mod error;
 mod fingerprint;
+mod pairs;
 mod scan;
 mod split;
 mod validate;
@@ -22,6 +23,7 @@ mod validate_tests;
 pub use codec::{decode, encode};
 pub use error::{Finding, HandshakeError};
 pub use fingerprint::{compat_hash, fingerprint, GeometryKey, ModelFactors, Ratio};
+pub use pairs::{check_pairs, PairVerdict};
 pub use scan::{prescan, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
 pub use split::{remote_block_split, MAX_SPLIT};
 pub use validate::{findings, validate, validate_expected, Expected, HEAD_CONTIGUOUS_LAYOUTS};
