@@ -32,6 +32,7 @@ Known difference: the vLLM test comment quoted in reference §A.2 gives KimiLine
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -244,7 +245,8 @@ class Preset:
             problems += [f"{name}={n}" for name, n in self.ssm.shard_counts if n % tp]
             problems += [f"conv channels {d}" for d in self.ssm.conv_proj_dims if d % tp]
         if problems:
-            raise LayoutError(f"{self.name}: {who}TP size {tp} does not divide {', '.join(problems)}")
+            unique = list(dict.fromkeys(problems))
+            raise LayoutError(f"{self.name}: {who}TP size {tp} does not divide {', '.join(unique)}")
 
     def group_size(self) -> int:
         """Layers per KV-cache group (= tensors in the HMA pool)."""
@@ -409,6 +411,110 @@ class Preset:
             tp_size=tp,
             total_num_kv_heads=self.attention.num_kv_heads if self.attention.kind == "gqa" else 1,
         )
+
+    def compat_factors(self, mode: str) -> dict[str, Any]:
+        """The model factors of the handshake's compatibility hash (reference E.2)."""
+        a = self.attention
+        return {
+            "model": self.name,
+            "dtype": "bfloat16",
+            "cache_dtype": "auto",
+            "total_num_kv_heads": a.num_kv_heads if a.kind == "gqa" else 1,
+            "head_size": a.head_size,
+            "num_hidden_layers": len(self.layer_order()),
+            "attn_backend": a.backend,
+            "hma": self.ssm is not None,
+            "speculative": [],
+            "transfer_mode": mode,
+        }
+
+    def engine_info(self, engine_id: str, mode: str) -> dict[str, Any]:
+        """Engine facts for ``RegionTable.agent_meta_json`` (NIXL's own metadata travels beside the payload)."""
+        from ._core import compat_hash
+
+        return {
+            "engine_id": engine_id,
+            "agent_metadata": [],
+            "kv_layout": "HND",
+            "attn_backend": self.attention.backend,
+            "transfer_mode": mode,
+            "compat_hash": compat_hash(json.dumps(self.compat_factors(mode))),
+        }
+
+    # ------------------------------------------------------------------ scenario format
+
+    def scenario_model(self) -> dict[str, Any]:
+        """The scenario format's ``model``: global group specs and the layers sharing each tensor."""
+        a = self.attention
+        groups: list[dict[str, Any]] = []
+        for kind in self.group_kinds():
+            if kind == "mla":
+                groups.append({"kind": "mla", "head_size": a.head_size, "dtype_bytes": a.dtype_bytes})
+            elif kind == "attention":
+                groups.append(
+                    {
+                        "kind": "attention",
+                        "num_kv_heads": a.num_kv_heads,
+                        "head_size": a.head_size,
+                        "dtype_bytes": a.dtype_bytes,
+                    }
+                )
+            else:
+                ssm = self.ssm
+                assert ssm is not None
+                groups.append(
+                    {
+                        "kind": "ssm",
+                        "mamba": ssm.kind,
+                        "conv_dim": sum(ssm.conv_proj_dims),
+                        "conv_rows": ssm.conv_rows,
+                        "conv_dtype_bytes": ssm.conv_dtype_bytes,
+                        "temporal_shape": list(ssm.temporal),
+                        "temporal_dtype_bytes": ssm.temporal_dtype_bytes,
+                    }
+                )
+        tensors: list[dict[str, Any]] = [{"layers": []} for _ in range(self.num_tensors)]
+        for s in self.slots():
+            tensors[s.tensor]["layers"].append({"name": s.name, "group": s.group})
+        return {"groups": groups, "tensors": tensors}
+
+    def scenario_engine(
+        self,
+        tp: int,
+        num_blocks: int,
+        *,
+        kernel_block_size: int | None = None,
+        logical_block_size: int | None = None,
+    ) -> dict[str, int]:
+        """The scenario format's ``prefill`` / ``decode`` engine at TP ``tp``."""
+        geo = self.geometry(tp, kernel_block_size=kernel_block_size, logical_block_size=logical_block_size)
+        return {
+            "tp_size": tp,
+            "logical_block_size": geo.logical_block_size,
+            "kernel_block_size": geo.kernel_block_size,
+            "num_blocks": num_blocks,
+        }
+
+    def scenario(
+        self,
+        prefill_tp: int,
+        decode_tp: int,
+        *,
+        mode: str = "pull",
+        num_blocks: int = 64,
+        prefill_kernel_block_size: int | None = None,
+        decode_kernel_block_size: int | None = None,
+        requests: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """A whole scenario (``schemas/scenario.schema.json``) for this model on the given deployment."""
+        return {
+            "name": f"{self.name}: prefill TP {prefill_tp} -> decode TP {decode_tp}, {mode}",
+            "model": self.scenario_model(),
+            "prefill": self.scenario_engine(prefill_tp, num_blocks, kernel_block_size=prefill_kernel_block_size),
+            "decode": self.scenario_engine(decode_tp, num_blocks, kernel_block_size=decode_kernel_block_size),
+            "mode": mode,
+            "requests": requests or [],
+        }
 
     # ------------------------------------------------------------------ reporting
 
