@@ -1,0 +1,282 @@
+"""The demo's coordinator: the "scheduler" that starts the ranks, hands out requests, and collects the verdict.
+
+The coordinator allocates every request's logical block ids on both engines (disjoint across groups and
+requests, with unallocated blocks between requests so untouched memory is checked too), starts one process
+per rank, relays side-channel addresses (service discovery), and tells ranks when to fill, transfer and
+verify. It never touches KV bytes: ranks move them over NIXL and check them themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .._core import LayoutError, PlanError, TransferError
+from ..presets import get_preset
+from .content import Request, Side
+from .worker import WorkerSpec, memcpy_gbps
+
+Event = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class DemoConfig:
+    """What to run: model, TP sizes, block sizes, mode, and the batch."""
+
+    preset: str = "tiny-kimi-linear"
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    mode: str = "pull"
+    requests: int = 8
+    tokens: int = 1000
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
+    num_blocks: int | None = None
+    seed: int = 0
+    timeout_s: float = 120.0
+
+    def validate(self) -> tuple[Side, Side]:
+        """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
+        preset = get_preset(self.preset)
+        if self.mode not in ("pull", "push"):
+            raise LayoutError(f"mode must be 'pull' or 'push', got {self.mode!r}")
+        if self.requests < 1 or self.tokens < 1:
+            raise LayoutError(f"need at least one request of at least one token, got {self.requests} x {self.tokens}")
+        preset.check_tp(self.prefill_tp, "prefill")
+        preset.check_tp(self.decode_tp, "decode")
+        lo, hi = sorted((self.prefill_tp, self.decode_tp))
+        if hi % lo:
+            raise PlanError(f"prefill TP {self.prefill_tp} and decode TP {self.decode_tp}: one must divide the other")
+        pg = preset.geometry(self.prefill_tp, kernel_block_size=self.prefill_block_size)
+        dg = preset.geometry(self.decode_tp, kernel_block_size=self.decode_block_size)
+        n_p = self.num_blocks or _pool_size(preset.group_kinds(), pg.logical_block_size, self)
+        n_d = self.num_blocks or _pool_size(preset.group_kinds(), dg.logical_block_size, self)
+        return Side(preset, pg, n_p), Side(preset, dg, n_d)
+
+
+@dataclass
+class DemoResult:
+    """What happened: sizes, timings, and the verdict."""
+
+    config: dict[str, Any]
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    requests: int = 0
+    tokens: list[int] = field(default_factory=list)
+    bytes_moved: int = 0
+    descriptors: int = 0
+    nixl_transfers: int = 0
+    peers: dict[str, list[int]] = field(default_factory=dict)
+    tables: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    startup_s: float = 0.0
+    plan_setup_s: float = 0.0
+    handshake_s: float = 0.0
+    plan_s: float = 0.0
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    gbps: float = 0.0
+    memcpy_gbps: float = 0.0
+    bytes_verified: int = 0
+    problems: list[str] = field(default_factory=list)
+    verified: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _requests_tokens(cfg: DemoConfig) -> list[int]:
+    """Request lengths from ``tokens`` down to about half of it (odd lengths exercise partial blocks)."""
+    return [max(1, cfg.tokens - (i * cfg.tokens) // (2 * cfg.requests)) for i in range(cfg.requests)]
+
+
+def _blocks_needed(kinds: list[str], logical: int, tokens: list[int]) -> int:
+    att = sum(k != "ssm" for k in kinds)
+    ssm = len(kinds) - att
+    return sum(att * max(1, math.ceil(t / logical)) + ssm + 1 for t in tokens)  # +1: a hole after each request
+
+
+def _pool_size(kinds: list[str], logical: int, cfg: DemoConfig) -> int:
+    need = _blocks_needed(kinds, logical, _requests_tokens(cfg))
+    return need + max(2, need // 4)
+
+
+def make_requests(cfg: DemoConfig, prefill: Side, decode: Side) -> list[Request]:
+    """Every request with its logical block ids per group on both sides (ascending, a free block between requests)."""
+    kinds = prefill.preset.group_kinds()
+    tokens = _requests_tokens(cfg)
+    for side, name in ((prefill, "prefill"), (decode, "decode")):
+        need = _blocks_needed(kinds, side.geometry.logical_block_size, tokens)
+        if need > side.num_blocks:
+            raise LayoutError(f"{name} pool of {side.num_blocks} blocks is too small for the batch (needs {need})")
+    nxt = {"prefill": 0, "decode": 0}
+
+    def alloc(side: Side, name: str, t: int) -> list[list[int]]:
+        out = []
+        for kind in kinds:
+            n = 1 if kind == "ssm" else side.logical_blocks_for(t)
+            out.append(list(range(nxt[name], nxt[name] + n)))
+            nxt[name] += n
+        nxt[name] += 1
+        return out
+
+    reqs = []
+    for i, t in enumerate(tokens):
+        p, d = alloc(prefill, "prefill", t), alloc(decode, "decode", t)
+        att = next((g for g, k in enumerate(kinds) if k != "ssm"), 0)
+        content = max(prefill.attention_tokens(len(p[att])), decode.attention_tokens(len(d[att])))
+        reqs.append(Request(i, f"req-{i}", t, p, d, content))
+    return reqs
+
+
+class _Ranks:
+    """The rank processes and their queues."""
+
+    def __init__(self, cfg: DemoConfig, prefill: Side, decode: Side, events: Event) -> None:
+        from . import worker
+
+        self.cfg = cfg
+        self.events = events
+        ctx = mp.get_context("spawn")
+        self.outbox: Any = ctx.Queue()
+        self.procs: dict[tuple[str, int], Any] = {}
+        self.inboxes: dict[tuple[str, int], Any] = {}
+        self.inbox_msgs: dict[str, dict[tuple[str, int], tuple[Any, ...]]] = {}
+        sides = {
+            "prefill": (prefill, decode, cfg.prefill_block_size),
+            "decode": (decode, prefill, cfg.decode_block_size),
+        }
+        for role, (side, other, kb) in sides.items():
+            other_kb = cfg.decode_block_size if role == "prefill" else cfg.prefill_block_size
+            for rank in range(side.tp):
+                spec = WorkerSpec(
+                    role, rank, cfg.mode, cfg.preset, side.tp, other.tp, side.num_blocks, kb, cfg.seed, cfg.timeout_s
+                )
+                inbox = ctx.Queue()
+                proc = ctx.Process(
+                    target=worker.main,
+                    args=(spec, inbox, self.outbox, (other_kb, other.num_blocks)),
+                    name=f"hybrid-kv-{spec.name}",
+                    daemon=True,
+                )
+                proc.start()
+                self.procs[(role, rank)] = proc
+                self.inboxes[(role, rank)] = inbox
+
+    def keys(self, role: str | None = None) -> list[tuple[str, int]]:
+        return [k for k in self.procs if role is None or k[0] == role]
+
+    def send(self, keys: list[tuple[str, int]], *cmd: Any) -> None:
+        for k in keys:
+            self.inboxes[k].put(cmd)
+
+    def collect(self, kind: str, keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[Any, ...]]:
+        """Wait for one ``kind`` message from each of ``keys`` (other messages are dispatched meanwhile)."""
+        got = self.inbox_msgs.setdefault(kind, {})
+        end = time.monotonic() + self.cfg.timeout_s
+        while not all(k in got for k in keys):
+            left = end - time.monotonic()
+            if left <= 0:
+                missing = ", ".join(f"{r} rank {n}" for r, n in keys if (r, n) not in got)
+                raise TransferError(f"timed out after {self.cfg.timeout_s:g} s waiting for {kind!r} from {missing}")
+            try:
+                msg = self.outbox.get(timeout=min(left, 0.5))
+            except queue.Empty:  # noqa: PERF203
+                dead = [k for k, p in self.procs.items() if not p.is_alive() and k not in got]
+                if dead and kind != "closed":
+                    r, n = dead[0]
+                    code = self.procs[dead[0]].exitcode
+                    raise TransferError(f"{r} rank {n} exited unexpectedly (exit code {code})") from None
+                continue
+            mkind, role, rank, *payload = msg
+            if mkind == "error":
+                raise TransferError(f"{role} rank {rank}: {payload[0]}")
+            if mkind == "request_done":
+                self.events("request_done", {"role": role, "rank": rank, "rid": payload[0]})
+                continue
+            self.inbox_msgs.setdefault(mkind, {})[(role, rank)] = tuple(payload)
+        return {k: got[k] for k in keys}
+
+    def close(self, clean: bool) -> None:
+        """Finish (clean) or stop every rank, then reap the processes."""
+        self.send(self.keys(), "finish" if clean else "stop")
+        if clean:
+            try:
+                self.collect("closed", self.keys())
+            except TransferError:
+                pass
+        for p in self.procs.values():
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+
+
+def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
+    """Run the demo; raises a ``HybridKvError`` for bad arguments or a failed run, returns the result otherwise.
+
+    ``events(kind, info)`` is called with ``stage`` (``{"name", "total"}``) and ``request_done`` updates.
+    """
+    emit: Event = events or (lambda kind, info: None)
+    prefill, decode = cfg.validate()
+    requests = make_requests(cfg, prefill, decode)
+    result = DemoResult(
+        config=asdict(cfg),
+        prefill={"tp": prefill.tp, "num_blocks": prefill.num_blocks, **prefill.geometry.to_dict()},
+        decode={"tp": decode.tp, "num_blocks": decode.num_blocks, **decode.geometry.to_dict()},
+        requests=len(requests),
+        tokens=[r.tokens for r in requests],
+    )
+    active = "decode" if cfg.mode == "pull" else "prefill"
+    passive = "prefill" if active == "decode" else "decode"
+    t0 = time.perf_counter()
+    emit("stage", {"name": f"starting {prefill.tp} prefill + {decode.tp} decode rank processes", "total": 0})
+    ranks = _Ranks(cfg, prefill, decode, emit)
+    clean = False
+    try:
+        ready = ranks.collect("ready", ranks.keys())
+        result.startup_s = time.perf_counter() - t0
+        addresses = {rank: ready[(role, rank)][0] for role, rank in ranks.keys(passive)}
+        emit("stage", {"name": "handshake: metadata, plans, NIXL connections", "total": 0})
+        ranks.send(ranks.keys(active), "connect", addresses)
+        connected = ranks.collect("connected", ranks.keys(active))
+        for (role, rank), (targets, setup_s, connect_s, sizes) in connected.items():
+            result.peers[f"{role}-{rank}"] = list(targets)
+            result.tables[f"{role}-{rank}"] = sizes
+            result.plan_setup_s = max(result.plan_setup_s, setup_s)
+            result.handshake_s = max(result.handshake_s, connect_s)
+        ranks.send(ranks.keys(), "requests", requests)
+        ranks.collect("filled", ranks.keys("prefill"))
+        emit("stage", {"name": f"{cfg.mode}: {len(requests)} requests over NIXL", "total": len(requests) * decode.tp})
+        ranks.send(ranks.keys(active), "go")
+        if cfg.mode == "push":
+            targets = ranks.collect("targets", ranks.keys("prefill"))
+            for d in range(decode.tp):
+                senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
+                ranks.send([("decode", d)], "expect", senders)
+        moved = ranks.collect("transferred", ranks.keys(active))
+        for plan_s, transfer_s, descs, nbytes, _n, xfers in moved.values():
+            result.plan_s += plan_s
+            result.transfer_s = max(result.transfer_s, transfer_s)
+            result.descriptors += descs
+            result.bytes_moved += nbytes
+            result.nixl_transfers += xfers
+        emit("stage", {"name": "verifying every decode byte", "total": 0})
+        ranks.send(ranks.keys("decode"), "verify")
+        verdicts = ranks.collect("verified", ranks.keys("decode"))
+        for (role, rank), (problem, checked, verify_s) in sorted(verdicts.items()):
+            result.bytes_verified += checked
+            result.verify_s = max(result.verify_s, verify_s)
+            if problem is not None:
+                result.problems.append(f"{role} rank {rank}: {problem}")
+        result.verified = not result.problems
+        clean = True
+    finally:
+        ranks.close(clean)
+    result.gbps = result.bytes_moved / result.transfer_s / 1e9 if result.transfer_s else 0.0
+    result.memcpy_gbps = memcpy_gbps(result.bytes_moved)
+    return result

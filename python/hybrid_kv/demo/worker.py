@@ -1,0 +1,291 @@
+"""One prefill or decode rank of the demo, run in its own (spawned) process.
+
+The rank allocates its HMA pool as torch CPU tensors from the preset, builds its region table and handshake
+metadata, and opens a NIXL endpoint. The *passive* side (prefill in pull mode, decode in push mode) only
+registers memory and serves its metadata; the *active* side fetches the metadata of the peer ranks it talks
+to, builds its plan (local and remote descriptor tables), connects and validates the handshake, then plans
+and posts every request (READ in pull mode, WRITE in push mode). Decode ranks finally compare every byte
+of their pools with what :mod:`.content` says they must hold.
+
+Messages to the coordinator are tuples ``(kind, role, rank, *payload)`` on one shared queue; commands come
+on the rank's own queue. Any failure is reported as ``("error", role, rank, message)`` and ends the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .content import Content, Request, Side, expect_decode, fill_prefill, first_mismatch, random_bytes
+
+POLL_SLEEP_S = 0.0002
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to set itself up (picklable)."""
+
+    role: str  # "prefill" | "decode"
+    rank: int
+    mode: str  # "pull" | "push"
+    preset: str
+    tp: int
+    remote_tp: int
+    num_blocks: int
+    kernel_block_size: int | None
+    seed: int
+    deadline_s: float
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank posts the transfers (decode pulls, prefill pushes)."""
+        return (self.role == "decode") == (self.mode == "pull")
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+
+def side_of(spec: WorkerSpec, tp: int, kernel_block_size: int | None, num_blocks: int) -> Side:
+    from ..presets import get_preset
+
+    preset = get_preset(spec.preset)
+    return Side(preset, preset.geometry(tp, kernel_block_size=kernel_block_size), num_blocks)
+
+
+def main(spec: WorkerSpec, inbox: Any, outbox: Any, other_side: tuple[int | None, int]) -> None:
+    """Process entry point; ``other_side`` is the peer engine's ``(kernel_block_size, num_blocks)``."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines would drown the demo's output
+    try:
+        _Worker(spec, inbox, outbox, other_side).run()
+    except SystemExit:
+        pass  # told to stop
+    except BaseException as exc:  # report, never hang the coordinator
+        detail = f"{type(exc).__name__}: {exc}"
+        outbox.put(("error", spec.role, spec.rank, detail, traceback.format_exc()))
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, inbox: Any, outbox: Any, other_side: tuple[int | None, int]) -> None:
+        self.spec = spec
+        self.inbox = inbox
+        self.outbox = outbox
+        self.side = side_of(spec, spec.tp, spec.kernel_block_size, spec.num_blocks)
+        self.other = side_of(spec, spec.remote_tp, other_side[0], other_side[1])
+        self.ep: Any = None
+        self.planner: Any = None
+
+    def send(self, kind: str, *payload: Any) -> None:
+        self.outbox.put((kind, self.spec.role, self.spec.rank, *payload))
+
+    def wait(self, kind: str) -> tuple[Any, ...]:
+        """Next command of ``kind`` (polling the endpoint meanwhile); ``stop`` ends the process."""
+        end = time.monotonic() + self.spec.deadline_s
+        while True:
+            try:
+                cmd = self.inbox.get(timeout=0.002 if self.ep is None else 0)
+            except queue.Empty:
+                cmd = None
+            if cmd is not None:
+                if cmd[0] == "stop":
+                    raise SystemExit(0)
+                if cmd[0] != kind:
+                    raise RuntimeError(f"expected command {kind!r}, got {cmd[0]!r}")
+                return tuple(cmd[1:])
+            if self.ep is not None:
+                self._check_events(self.ep.poll())
+                time.sleep(POLL_SLEEP_S)
+            if time.monotonic() > end:
+                raise TimeoutError(f"no {kind!r} command within {self.spec.deadline_s:g} s")
+
+    def _check_events(self, ev: Any) -> None:
+        for err in ev.failed:
+            raise RuntimeError(str(err))
+        for e in ev.remote_failed:
+            raise RuntimeError(f"peer {e.sender} failed request {e.request_id}: {e.reason}")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        import torch
+
+        from .._core import encode_meta
+        from ..torch_adapter import region_table_from_tensors
+        from ..transport import Endpoint
+
+        torch.set_num_threads(1)
+        spec, geo = self.spec, self.side.geometry
+        t0 = time.perf_counter()
+        pools_t, layers, _ = self.side.preset.torch_layers(
+            spec.tp, spec.rank, spec.num_blocks, kernel_block_size=spec.kernel_block_size
+        )
+        self.pools = [p.numpy().reshape(-1) for p in pools_t]  # views of the tensors' memory
+        for i, pool in enumerate(self.pools):  # garbage everywhere: untouched bytes must stay as they are
+            pool[:] = random_bytes(spec.seed, (7, int(spec.role == "decode"), spec.rank, i), pool.size)
+        self.table = region_table_from_tensors(
+            layers,
+            logical_block_size=geo.logical_block_size,
+            kernel_block_size=geo.kernel_block_size,
+            num_logical_blocks=spec.num_blocks,
+            tp_rank=spec.rank,
+            tp_size=spec.tp,
+            total_num_kv_heads=self.side.preset.attention.num_kv_heads,
+        )
+        meta = self.table.agent_meta_json(json.dumps(self.side.preset.engine_info(spec.role, spec.mode)))
+        self.payload = encode_meta(meta)
+        setup_s = time.perf_counter() - t0
+        registration = self.table.registration()
+        if not spec.active:
+            self.ep = Endpoint(
+                spec.name,
+                registration,
+                {"whole": self.table.local_rows()},
+                metadata_provider=lambda rank: self.payload,
+            )
+            self.send("ready", self.ep.address, setup_s, self.table.num_regions)
+        else:
+            self.send("ready", None, setup_s, self.table.num_regions)
+            (addresses,) = self.wait("connect")
+            self._connect(addresses, registration)
+        try:
+            self._serve()
+        finally:
+            counts = self.ep.handle_counts() if self.ep is not None else {}
+            if self.ep is not None:
+                self.ep.close()
+            self.send("closed", counts)
+            del pools_t
+
+    def _connect(self, addresses: dict[int, str], registration: Any) -> None:
+        import zmq
+
+        from .._core import validate_handshake
+        from ..transport import Endpoint, HandshakeError
+        from ..transport.side_channel import ChannelError, fetch_meta
+        from .planning import RankPlanner, handshake_targets
+
+        spec = self.spec
+        targets = handshake_targets(spec.rank, spec.tp, spec.remote_tp)
+        ctx: Any = zmq.Context()
+        try:
+            payloads = {r: fetch_meta(ctx, addresses[r], r, spec.name, 10.0)[0] for r in targets}
+        except ChannelError as exc:
+            raise HandshakeError(f"{spec.name}: fetching peer metadata failed: {exc}") from exc
+        finally:
+            ctx.destroy(linger=0)
+        t0 = time.perf_counter()
+        self.planner = RankPlanner(self.table, payloads, spec.mode)
+        plan_setup_s = time.perf_counter() - t0
+        self.ep = Endpoint(spec.name, registration, self.planner.local_tables)
+        t0 = time.perf_counter()
+        for r in targets:
+            self.ep.connect(
+                r,
+                addresses[r],
+                lambda payload, r=r: self.planner.remote_tables(r),
+                rank=r,
+                validate=lambda payload: validate_handshake(self.payload, payload),
+                timeout_s=10.0,
+            )
+        connect_s = time.perf_counter() - t0
+        self.send("connected", targets, plan_setup_s, connect_s, self.planner.table_shapes())
+
+    def _serve(self) -> None:
+        spec = self.spec
+        (requests,) = self.wait("requests")
+        self.requests: list[Request] = requests
+        self.contents = [Content(self.side.preset, spec.seed, r.index, r.content_tokens) for r in requests]
+        if spec.role == "prefill":
+            t0 = time.perf_counter()
+            for r, c in zip(requests, self.contents, strict=True):
+                fill_prefill(self.pools, self.side, spec.rank, r, c, spec.seed)
+            self.send("filled", time.perf_counter() - t0)
+        if spec.role == "decode":
+            self.before = [p.copy() for p in self.pools]
+        if spec.active:
+            self.wait("go")
+            self._post_all()
+        elif spec.role == "decode":  # push: await the prefill ranks' writes
+            (senders,) = self.wait("expect")
+            self._await_pushes(senders)
+        if spec.role == "decode":
+            self.wait("verify")
+            self._verify()
+        self.wait("finish")
+
+    # ------------------------------------------------------------------ transfers
+
+    def _post_all(self) -> None:
+        spec = self.spec
+        op = "READ" if spec.mode == "pull" else "WRITE"
+        t0 = time.perf_counter()
+        plans = []
+        for r in self.requests:
+            local, remote = (r.decode_ids, r.prefill_ids) if spec.role == "decode" else (r.prefill_ids, r.decode_ids)
+            plans.append(self.planner.plan(local, remote))
+        plan_s = time.perf_counter() - t0
+        descs = sum(int(t.local_ids.size) for p in plans for t in p)
+        nbytes = sum(self.planner.transfer_bytes(t) for p in plans for t in p)
+        targets = {r.rid: sorted({int(t.peer) for t in p}) for r, p in zip(self.requests, plans, strict=True)}
+        if spec.mode == "push":
+            self.send("targets", targets)
+        pending = set()
+        t0 = time.perf_counter()
+        for r, p in zip(self.requests, plans, strict=True):
+            if p:
+                self.ep.post(r.rid, p, op, spec.deadline_s)
+                pending.add(r.rid)
+            else:
+                self.send("request_done", r.rid)
+        while pending:
+            ev = self.ep.poll()
+            for rid in ev.done:
+                pending.discard(rid)
+                self.send("request_done", rid)
+            self._check_events(ev)
+            if pending:
+                time.sleep(POLL_SLEEP_S)
+        transfer_s = time.perf_counter() - t0
+        self.send("transferred", plan_s, transfer_s, descs, nbytes, len(plans), sum(len(p) for p in plans))
+
+    def _await_pushes(self, senders: dict[str, int]) -> None:
+        pending = set()
+        for rid, n in senders.items():
+            if n:
+                self.ep.expect(rid, self.spec.deadline_s, senders=n)
+                pending.add(rid)
+        while pending:
+            ev = self.ep.poll()
+            for rid in ev.done:
+                pending.discard(rid)
+                self.send("request_done", rid)
+            self._check_events(ev)
+            if pending:
+                time.sleep(POLL_SLEEP_S)
+
+    def _verify(self) -> None:
+        t0 = time.perf_counter()
+        want = expect_decode(self.before, self.side, self.other, self.spec.rank, self.requests, self.contents)
+        problem = first_mismatch(self.pools, want, self.side)
+        checked = sum(p.size for p in self.pools)
+        self.send("verified", problem, checked, time.perf_counter() - t0)
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """Best-of-``repeats`` throughput of one contiguous numpy copy of ``nbytes`` (GB/s)."""
+    n = max(1, nbytes)
+    src = np.ones(n, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return n / best / 1e9

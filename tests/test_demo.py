@@ -1,0 +1,123 @@
+"""The demo: its content model (pure), request allocation, and ``hybrid-kv demo`` end to end over real NIXL."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrid_kv import LayoutError
+from hybrid_kv.cli import main
+from hybrid_kv.demo.content import Content, Side, expect_decode, fill_prefill, first_mismatch, kernel_ids
+from hybrid_kv.demo.run import DemoConfig, make_requests
+
+
+def sides(cfg: DemoConfig) -> tuple[Side, Side]:
+    return cfg.validate()
+
+
+def pools_of(side: Side, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, side.num_blocks * side.geometry.page_bytes, dtype=np.uint8) for _ in range(3)]
+
+
+def simulate(
+    prefill: Side, decode: Side, p_pools: list[list[np.ndarray]], d_pool: list[np.ndarray], d_rank: int, reqs: list
+) -> None:
+    """Move bytes the way DESIGN §2b says, independently of ``expect_decode``: attention kernel pages whole
+    from prefill rank 0 (MLA), SSM sub-streams from every prefill rank whose shard overlaps (P TP >= D TP)."""
+    pg, dg = prefill.geometry, decode.geometry
+    s = prefill.preset.ssm
+    assert s is not None and pg.kernel_page_bytes == dg.kernel_page_bytes
+    ratio = prefill.tp // decode.tp
+    for req in reqs:
+        for g, kind in enumerate(prefill.preset.group_kinds()):
+            for region in range(3):
+                src0, dst = p_pools[0][region], d_pool[region]
+                if kind != "ssm":
+                    kp = pg.kernel_page_bytes
+                    pk, dk = kernel_ids(req.prefill_ids[g], pg.ppl), kernel_ids(req.decode_ids[g], dg.ppl)
+                    for a, b in zip(pk, dk, strict=False):  # front-aligned, shorter list bounds
+                        dst[b * kp : (b + 1) * kp] = src0[a * kp : (a + 1) * kp]
+                    continue
+                (pb,), (db,) = req.prefill_ids[g], req.decode_ids[g]
+                d_off = db * dg.page_bytes
+                p_streams = [c // prefill.tp * s.conv_rows * s.conv_dtype_bytes for c in s.conv_proj_dims]
+                p_streams.append(pg.temporal_bytes)
+                for i, n in enumerate(p_streams):
+                    for k in range(ratio):
+                        src = p_pools[d_rank * ratio + k][region]
+                        p_off = pb * pg.page_bytes + sum(p_streams[:i])
+                        dst[d_off : d_off + n] = src[p_off : p_off + n]
+                        d_off += n
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), [(1, 1), (2, 1), (4, 2), (4, 1)])
+def test_content_model_matches_an_independent_byte_simulation(ptp: int, dtp: int) -> None:
+    cfg = DemoConfig(prefill_tp=ptp, decode_tp=dtp, requests=3, tokens=150)
+    prefill, decode = sides(cfg)
+    reqs = make_requests(cfg, prefill, decode)
+    contents = [Content(prefill.preset, 5, r.index, r.content_tokens) for r in reqs]
+    p_pools = [pools_of(prefill, 100 + r) for r in range(ptp)]
+    for r in range(ptp):
+        for req, c in zip(reqs, contents, strict=True):
+            fill_prefill(p_pools[r], prefill, r, req, c, 5)
+    for d in range(dtp):
+        before = pools_of(decode, 200 + d)
+        want = expect_decode(before, decode, prefill, d, reqs, contents)
+        got = [p.copy() for p in before]
+        simulate(prefill, decode, p_pools, got, d, reqs)
+        assert first_mismatch(got, want, decode) is None
+        assert first_mismatch(before, want, decode) is not None  # the requests do change decode memory
+        got[1][5] ^= 1
+        assert "1 bytes differ in tensor 1" in (first_mismatch(got, want, decode) or "")
+
+
+def test_requests_get_disjoint_ids_with_holes_between_them() -> None:
+    cfg = DemoConfig(requests=4, tokens=100)
+    prefill, decode = sides(cfg)
+    reqs = make_requests(cfg, prefill, decode)
+    for side_ids, side in ((lambda r: r.prefill_ids, prefill), (lambda r: r.decode_ids, decode)):
+        flat = [b for r in reqs for g in side_ids(r) for b in g]
+        assert len(flat) == len(set(flat)) and max(flat) < side.num_blocks
+        assert len(flat) < max(flat) + 1  # some blocks stay unallocated
+    assert [r.tokens for r in reqs] == [100, 88, 75, 63]
+    assert all(
+        len(g) == 1 for r in reqs for g, k in zip(r.decode_ids, decode.preset.group_kinds(), strict=True) if k == "ssm"
+    )
+
+
+def test_bad_configs_fail_before_any_process_starts() -> None:
+    with pytest.raises(
+        LayoutError, match="decode TP size 3 does not divide num_attention_heads=4, .*conv channels 64$"
+    ):
+        DemoConfig(prefill_tp=2, decode_tp=3).validate()
+    with pytest.raises(LayoutError, match="decode TP size 8 does not divide"):
+        DemoConfig(decode_tp=8).validate()
+    with pytest.raises(LayoutError, match="unknown preset"):
+        DemoConfig(preset="nope").validate()
+    with pytest.raises(LayoutError, match="too small for the batch"):
+        cfg = DemoConfig(num_blocks=3)
+        make_requests(cfg, *cfg.validate())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--preset", "nope"],
+        ["demo", "--prefill-tp", "3"],
+        ["demo", "--decode-tp", "0"],
+        ["demo", "--requests", "0"],
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybrid-kv demo: error:") and err.count("\n") == 1, err
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "--prefill-tp" in out and "tiny-kimi-linear" in out
