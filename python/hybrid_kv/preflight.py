@@ -1,0 +1,221 @@
+"""Pre-flight report of a real deployment of a model preset, before any GPU is touched.
+
+From a preset and both engines' TP sizes this builds every rank's layout (synthetic addresses), region table
+and handshake metadata, validates every handshake pair, builds the planner's tables for every rank that
+posts transfers, plans one request of a given length, and reports:
+
+* the compatibility verdict, with every reason when it is not;
+* per rank: regions, local descriptor tables (strided rows as prepped, and descriptors once expanded),
+  remote tables, the peer ranks it talks to;
+* per request: descriptors, bytes and NIXL transfers of each posting rank;
+* warnings when a configuration will be descriptor-bound (many small descriptors per request).
+
+``hybrid-kv check --preset NAME --prefill-tp N --decode-tp M`` prints it (``--json`` for machines).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._core import HybridKvError, LayoutError, encode_meta, handshake_findings
+from .layout import build_region_table
+from .presets import Preset, get_preset
+
+# Heuristics for "descriptor-bound" (reference H: UCX posts one work request per descriptor; #55434 measured
+# descriptor posting at 57% of the transfer time with ~112k descriptors per transfer over cuda_ipc).
+SMALL_DESCRIPTOR_BYTES = 64 * 1024
+MANY_DESCRIPTORS = 100_000
+DEFAULT_KV_GIB = 40.0
+
+
+@dataclass
+class RankReport:
+    """One rank: its regions, tables, peers and what one request costs it."""
+
+    role: str
+    rank: int
+    regions: int
+    local_rows: int
+    local_descriptors: int
+    posts: bool
+    peers: list[int] = field(default_factory=list)
+    tables: dict[str, dict[str, int]] = field(default_factory=dict)
+    remote_descriptors: dict[int, int] = field(default_factory=dict)
+    request_descriptors: int = 0
+    request_bytes: int = 0
+    request_transfers: int = 0
+
+
+@dataclass
+class Report:
+    """The whole pre-flight report."""
+
+    preset: str
+    description: str
+    source: str
+    mode: str
+    tokens: int
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    compatible: bool = True
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    ranks: list[RankReport] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pool_blocks(preset: Preset, tp: int, kv_gib: float, kernel_block_size: int | None) -> int:
+    """Logical blocks a rank holds when ``kv_gib`` GiB of its memory is KV cache."""
+    page = preset.geometry(tp, kernel_block_size=kernel_block_size).page_bytes
+    return max(1, int(kv_gib * 2**30) // (page * preset.num_tensors))
+
+
+def _request_ids(preset: Preset, logical: int, tokens: int) -> list[list[int]]:
+    """One request's logical ids per group: consecutive blocks, attention groups first."""
+    out, nxt = [], 0
+    for kind in preset.group_kinds():
+        n = 1 if kind == "ssm" else max(1, math.ceil(tokens / logical))
+        out.append(list(range(nxt, nxt + n)))
+        nxt += n
+    return out
+
+
+def preflight(
+    preset_name: str,
+    prefill_tp: int,
+    decode_tp: int,
+    *,
+    mode: str = "pull",
+    tokens: int = 32768,
+    kv_gib: float = DEFAULT_KV_GIB,
+    num_blocks: int | None = None,
+    prefill_block_size: int | None = None,
+    decode_block_size: int | None = None,
+) -> Report:
+    """Build the report. Bad arguments (unknown preset, non-positive sizes) raise ``HybridKvError``;
+    an incompatible deployment is a report with ``compatible=False`` and its reasons."""
+    from .demo.planning import RankPlanner, handshake_targets
+
+    preset = get_preset(preset_name)
+    if mode not in ("pull", "push"):
+        raise LayoutError(f"mode must be 'pull' or 'push', got {mode!r}")
+    if tokens < 1:
+        raise LayoutError(f"request length must be positive, got {tokens}")
+    if num_blocks is not None and num_blocks < 1:
+        raise LayoutError(f"number of blocks must be positive, got {num_blocks}")
+    if kv_gib <= 0:
+        raise LayoutError(f"KV memory per rank must be positive, got {kv_gib} GiB")
+    for tp, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
+        if tp < 1:
+            raise LayoutError(f"{side} TP size must be positive, got {tp}")
+    report = Report(preset.name, preset.description, preset.source, mode, tokens, {}, {})
+    kb = {"prefill": prefill_block_size, "decode": decode_block_size}
+    tps = {"prefill": prefill_tp, "decode": decode_tp}
+    for side in ("prefill", "decode"):
+        try:
+            preset.check_tp(tps[side], side)
+        except LayoutError as exc:
+            report.reasons.append(str(exc))
+    lo, hi = sorted((prefill_tp, decode_tp))
+    if hi % lo:
+        report.reasons.append(f"prefill TP {prefill_tp} and decode TP {decode_tp}: one must divide the other")
+    if report.reasons:
+        report.compatible = False
+        return report
+
+    tables: dict[str, list[Any]] = {}
+    payloads: dict[str, list[bytes]] = {}
+    for side in ("prefill", "decode"):
+        tp = tps[side]
+        try:
+            geo = preset.geometry(tp, kernel_block_size=kb[side])
+        except LayoutError as exc:
+            report.reasons.append(f"{side}: {exc}")
+            continue
+        n = num_blocks or pool_blocks(preset, tp, kv_gib, kb[side])
+        getattr(report, side).update(tp=tp, num_blocks=n, tensors=preset.num_tensors, **geo.to_dict())
+        tables[side] = [build_region_table(preset.rank_layout(tp, r, n, kernel_block_size=kb[side])) for r in range(tp)]
+        info = json.dumps(preset.engine_info(side, mode))
+        payloads[side] = [encode_meta(t.agent_meta_json(info)) for t in tables[side]]
+    if report.reasons:
+        report.compatible = False
+        return report
+
+    active = "decode" if mode == "pull" else "prefill"
+    passive = "prefill" if active == "decode" else "decode"
+    for side in ("prefill", "decode"):
+        for r, t in enumerate(tables[side]):
+            rows = t.local_rows()
+            report.ranks.append(
+                RankReport(side, r, t.num_regions, int(rows.shape[0]), int(rows[:, 4].sum()), side == active)
+            )
+    by_key = {(rr.role, rr.rank): rr for rr in report.ranks}
+    geo_a, geo_p = getattr(report, active), getattr(report, passive)
+    for r, table in enumerate(tables[active]):
+        rr = by_key[(active, r)]
+        try:
+            targets = handshake_targets(r, tps[active], tps[passive])
+        except HybridKvError as exc:
+            report.reasons.append(f"{active} rank {r}: {exc}")
+            continue
+        rr.peers = targets
+        for t in targets:
+            for check, local, remote, detail in handshake_findings(payloads[active][r], payloads[passive][t]):
+                report.reasons.append(
+                    f"{active} rank {r} vs {passive} rank {t}: {check}: local {local}, remote {remote}"
+                    + (f" ({detail})" if detail else "")
+                )
+        try:
+            planner = RankPlanner(table, {t: payloads[passive][t] for t in targets}, mode)
+        except HybridKvError as exc:
+            report.reasons.append(f"{active} rank {r}: {exc}")
+            continue
+        rr.tables = planner.table_shapes()
+        rr.remote_descriptors = {t: planner.remote_descriptors(t) for t in targets}
+        local_ids = _request_ids(preset, geo_a["logical_block_size"], tokens)
+        remote_ids = _request_ids(preset, geo_p["logical_block_size"], tokens)
+        try:
+            transfers = planner.plan(local_ids, remote_ids)
+        except HybridKvError as exc:
+            report.reasons.append(f"{active} rank {r}, request of {tokens} tokens: {exc}")
+            continue
+        rr.request_transfers = len(transfers)
+        rr.request_descriptors = sum(int(t.local_ids.size) for t in transfers)
+        rr.request_bytes = sum(planner.transfer_bytes(t) for t in transfers)
+        for t in range(tps[passive]):
+            if any(int(x.peer) == t for x in transfers):
+                peer = by_key[(passive, t)]
+                if r not in peer.peers:
+                    peer.peers.append(r)
+    for rr in report.ranks:
+        rr.peers.sort()
+    report.compatible = not report.reasons
+    if report.compatible:
+        report.warnings = _warnings(report, active)
+    return report
+
+
+def _warnings(report: Report, active: str) -> list[str]:
+    out = []
+    for rr in report.ranks:
+        if not rr.posts or not rr.request_descriptors:
+            continue
+        per = rr.request_bytes / rr.request_descriptors
+        if per < SMALL_DESCRIPTOR_BYTES:
+            out.append(
+                f"{rr.role} rank {rr.rank}: descriptor-bound: {rr.request_descriptors} descriptors of "
+                f"{per / 1024:.1f} KiB on average per {report.tokens}-token request (below "
+                f"{SMALL_DESCRIPTOR_BYTES // 1024} KiB, UCX posting rather than bandwidth limits the transfer); "
+                "a larger kernel block or fewer regions would help"
+            )
+        elif rr.request_descriptors > MANY_DESCRIPTORS:
+            out.append(
+                f"{rr.role} rank {rr.rank}: {rr.request_descriptors} descriptors per {report.tokens}-token request "
+                f"(above {MANY_DESCRIPTORS}); posting them will take a large share of the transfer time"
+            )
+    return out
