@@ -4,7 +4,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hybrid_kv::core::fixtures::{deepseek_v3_like, kimi_linear_like};
-use hybrid_kv::core::RegionTable;
+use hybrid_kv::core::scenario::{Deployment, Engine, Group, Model, Request, Scenario, Tensor, TensorLayer};
+use hybrid_kv::core::{MambaKind, RegionTable, TransferMode};
 
 fn bench_tables(c: &mut Criterion) {
     let mut g = c.benchmark_group("local_table");
@@ -30,5 +31,185 @@ fn bench_tables(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_tables);
+const TOKENS: u64 = 128 * 1024;
+
+fn layer(name: String, group: u32) -> TensorLayer {
+    TensorLayer { name, group }
+}
+
+/// DeepSeek-V3: 61 MLA layers, 576 bf16 latents per token, kernel = logical block of 64 tokens.
+fn deepseek_v3() -> Model {
+    Model {
+        groups: vec![Group::Mla {
+            head_size: 576,
+            dtype_bytes: 2,
+        }],
+        tensors: (0..61)
+            .map(|i| Tensor {
+                layers: vec![layer(format!("model.layers.{i}.self_attn"), 0)],
+            })
+            .collect(),
+    }
+}
+
+/// Kimi-Linear: 7 MLA layers and 20 KDA layers (3 groups) pooled in 7 HMA tensors; KDA with 32 heads of 128.
+fn kimi_linear() -> Model {
+    let kda = Group::Ssm {
+        mamba: MambaKind::Gdn,
+        conv_dim: 3 * 32 * 128,
+        conv_rows: 3,
+        conv_dtype_bytes: 2,
+        temporal_shape: vec![32, 128, 128],
+        temporal_dtype_bytes: 4,
+    };
+    let groups = vec![
+        Group::Mla {
+            head_size: 576,
+            dtype_bytes: 2,
+        },
+        kda.clone(),
+        kda.clone(),
+        kda,
+    ];
+    let tensors = (0..7)
+        .map(|i| {
+            let mut layers = vec![layer(format!("mla.{i}"), 0)];
+            layers.extend(
+                (1..4u32)
+                    .filter(|g| i < 6 || *g < 3)
+                    .map(|g| layer(format!("kda_{g}.{i}"), g)),
+            );
+            Tensor { layers }
+        })
+        .collect();
+    Model { groups, tensors }
+}
+
+/// Logical block (tokens) so one MLA page at 64-token kernel blocks holds a KDA state at `tp`.
+fn kimi_logical(tp: u64) -> u64 {
+    let state = (32 * 128 * 128 * 4 + 3 * 32 * 128 * 3 * 2) / tp;
+    state.div_ceil(1152 * 64) * 64
+}
+
+fn engine(tp: u32, logical: u64, num_blocks: u64) -> Engine {
+    Engine {
+        tp_size: tp,
+        logical_block_size: logical,
+        kernel_block_size: 64,
+        num_blocks,
+    }
+}
+
+/// One 128K-token request on every group; the engines' ids are disjoint ascending runs.
+fn scenario(model: Model, p: Engine, d: Engine, mode: TransferMode) -> Scenario {
+    let ids = |e: &Engine, start: u64| -> Vec<Vec<u64>> {
+        model
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, grp)| match grp {
+                Group::Ssm { .. } => vec![start + 10 * g as u64],
+                _ => (start + 100..start + 100 + TOKENS.div_ceil(e.logical_block_size)).collect(),
+            })
+            .collect()
+    };
+    let req = Request {
+        id: "r".into(),
+        prefill: ids(&p, 0),
+        decode: ids(&d, 7),
+    };
+    Scenario {
+        name: None,
+        model,
+        prefill: p,
+        decode: d,
+        mode,
+        requests: vec![req],
+    }
+}
+
+fn bench_plan_request(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan_request_128k");
+    g.sample_size(20);
+    let cases = [
+        (
+            "deepseek_v3_pull_p8_d16",
+            scenario(
+                deepseek_v3(),
+                engine(8, 64, 4096),
+                engine(16, 64, 4096),
+                TransferMode::Pull,
+            ),
+        ),
+        (
+            "deepseek_v3_pull_p16_d8",
+            scenario(
+                deepseek_v3(),
+                engine(16, 64, 4096),
+                engine(8, 64, 4096),
+                TransferMode::Pull,
+            ),
+        ),
+        (
+            "deepseek_v3_push_p8_d16",
+            scenario(
+                deepseek_v3(),
+                engine(8, 64, 4096),
+                engine(16, 64, 4096),
+                TransferMode::Push,
+            ),
+        ),
+        (
+            "kimi_linear_pull_p1_d2",
+            scenario(
+                kimi_linear(),
+                engine(1, kimi_logical(1), 256),
+                engine(2, kimi_logical(2), 512),
+                TransferMode::Pull,
+            ),
+        ),
+        (
+            "kimi_linear_pull_p8_d1",
+            scenario(
+                kimi_linear(),
+                engine(8, kimi_logical(8), 2048),
+                engine(1, kimi_logical(1), 256),
+                TransferMode::Pull,
+            ),
+        ),
+        (
+            "kimi_linear_push_p1_d8",
+            scenario(
+                kimi_linear(),
+                engine(1, kimi_logical(1), 256),
+                engine(8, kimi_logical(8), 2048),
+                TransferMode::Push,
+            ),
+        ),
+    ];
+    for (name, s) in &cases {
+        let dep = Deployment::build(s).unwrap();
+        let peer = &dep.peers[0];
+        let req = &s.requests[0];
+        let (local, remote) = match s.mode {
+            TransferMode::Pull => (&req.decode, &req.prefill),
+            TransferMode::Push => (&req.prefill, &req.decode),
+        };
+        let plan = peer.plan(local, remote).unwrap();
+        let ids: usize = plan.transfers.iter().map(|t| t.local_ids.len()).sum();
+        g.throughput(Throughput::Elements(ids as u64));
+        // Fresh id arrays every request (what the Python binding does: the arrays are handed to numpy).
+        g.bench_function(BenchmarkId::new("plan", name), |b| {
+            b.iter(|| peer.plan(black_box(local), black_box(remote)).unwrap())
+        });
+        // Reused id buffers (a Rust caller planning request after request).
+        let mut out = plan.clone();
+        g.bench_function(BenchmarkId::new("plan_into", name), |b| {
+            b.iter(|| peer.plan_into(black_box(local), black_box(remote), &mut out).unwrap())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_tables, bench_plan_request);
 criterion_main!(benches);

@@ -345,6 +345,19 @@ impl PeerPlan {
     /// `GroupCount` for a wrong number of groups, `BlockOutOfRange` for an id outside its side's pool (naming
     /// the id and the limit), `UnpairableSsm` / `UnalignedAttention` for lists that cannot be paired.
     pub fn plan(&self, local_ids: &[Vec<u64>], remote_ids: &[Vec<u64>]) -> Result<Plan, PlanError> {
+        let mut out = Plan::default();
+        self.plan_into(local_ids, remote_ids, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`PeerPlan::plan`] into `out`, reusing its id buffers: a caller planning request after request
+    /// avoids allocating (and page-faulting) fresh id arrays every time.
+    ///
+    /// # Errors
+    /// As [`PeerPlan::plan`]; `out` is then left empty.
+    pub fn plan_into(&self, local_ids: &[Vec<u64>], remote_ids: &[Vec<u64>], out: &mut Plan) -> Result<(), PlanError> {
+        let mut spare = std::mem::take(&mut out.transfers);
+        out.notify_ranks.clear();
         self.local.check(Side::Local, local_ids)?;
         self.remote.check(Side::Remote, remote_ids)?;
         let (lu, ru) = (self.local.units_per_logical, self.remote.units_per_logical);
@@ -387,30 +400,39 @@ impl PeerPlan {
         let mut done: Vec<(&[bool], usize)> = Vec::new();
         let mut transfers: Vec<RankTransfer> = Vec::with_capacity(self.routes.len());
         for route in &self.routes {
-            let (local_ids, remote_ids) = match done.iter().find(|(m, _)| *m == route.groups.as_slice()) {
-                Some(&(_, i)) => (transfers[i].local_ids.clone(), transfers[i].remote_ids.clone()),
-                None => self.emit(&route.groups, &l_units, &r_units),
-            };
-            if local_ids.is_empty() {
+            let mut t = spare.pop().unwrap_or(RankTransfer {
+                remote_rank: 0,
+                local_table: TableKey::Whole,
+                remote_table: 0,
+                local_ids: Vec::new(),
+                remote_ids: Vec::new(),
+            });
+            t.local_ids.clear();
+            t.remote_ids.clear();
+            match done.iter().find(|(m, _)| *m == route.groups.as_slice()) {
+                Some(&(_, i)) => {
+                    t.local_ids.extend_from_slice(&transfers[i].local_ids);
+                    t.remote_ids.extend_from_slice(&transfers[i].remote_ids);
+                }
+                None => self.emit(&route.groups, &l_units, &r_units, &mut t.local_ids, &mut t.remote_ids),
+            }
+            if t.local_ids.is_empty() {
+                spare.push(t);
                 continue;
             }
             done.push((&route.groups, transfers.len()));
-            transfers.push(RankTransfer {
-                remote_rank: route.remote_rank,
-                local_table: route.table,
-                remote_table: route.remote_rank,
-                local_ids,
-                remote_ids,
-            });
+            t.remote_rank = route.remote_rank;
+            t.local_table = route.table;
+            t.remote_table = route.remote_rank;
+            transfers.push(t);
         }
-        Ok(Plan {
-            transfers,
-            notify_ranks: self.remote_tables.iter().map(|(r, _)| *r).collect(),
-        })
+        out.transfers = transfers;
+        out.notify_ranks.extend(self.remote_tables.iter().map(|(r, _)| *r));
+        Ok(())
     }
 
     /// Region-major ids of the groups in `mask`.
-    fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>]) -> (Vec<i32>, Vec<i32>) {
+    fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>], lo: &mut Vec<i32>, ro: &mut Vec<i32>) {
         let mut n = 0;
         for gs in &self.region_groups {
             n += gs
@@ -426,7 +448,8 @@ impl PeerPlan {
                 .filter(|&&g| mask[g])
                 .map(|&g| l_units[g].len())
                 .sum::<usize>();
-        let (mut lo, mut ro) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        lo.reserve(n);
+        ro.reserve(n);
         for (r, gs) in self.region_groups.iter().enumerate() {
             for &g in gs.iter().filter(|&&g| mask[g]) {
                 let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
@@ -441,7 +464,6 @@ impl PeerPlan {
                 ro.extend(r_units[g].iter().map(|&b| (rs + b) as i32));
             }
         }
-        (lo, ro)
     }
 
     /// Resolve a transfer into byte moves `[local_addr, remote_addr, len]`, one per descriptor pair.
