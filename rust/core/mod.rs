@@ -12,6 +12,7 @@ pub mod ratio;
 pub mod region;
 pub mod remote;
 pub mod scenario;
+pub mod scenario_report;
 pub mod spec;
 pub mod split;
 pub mod tp;
@@ -33,3 +34,5 @@ mod plan_tests;
 mod region_tests;
 #[cfg(test)]
 mod oracle_tests;
+#[cfg(test)]
+mod scenario_tests;

@@ -39,6 +39,31 @@ pub enum TableKey {
     Split(usize),
 }
 
+impl std::fmt::Display for TableKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TableKey::Whole => f.write_str("whole"),
+            TableKey::Bsr(n) => write!(f, "bsr:{n}"),
+            TableKey::Split(i) => write!(f, "split:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for TableKey {
+    type Err = PlanError;
+
+    /// Parse `whole`, `bsr:N` or `split:I` (the [`Display`](std::fmt::Display) form).
+    fn from_str(s: &str) -> Result<TableKey, PlanError> {
+        let bad = || PlanError::BadTransfer(format!("table key {s:?} is not `whole`, `bsr:N` or `split:I`"));
+        match s.split_once(':') {
+            None if s == "whole" => Ok(TableKey::Whole),
+            Some(("bsr", n)) => n.parse().map(TableKey::Bsr).map_err(|_| bad()),
+            Some(("split", i)) => i.parse().map(TableKey::Split).map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
+}
+
 /// One NIXL transfer: pairs of descriptor ids into a local and a remote table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankTransfer {
@@ -471,17 +496,32 @@ impl PeerPlan {
     /// # Errors
     /// `BadTransfer` when a table or id does not exist or a pair's lengths differ.
     pub fn moves(&self, t: &RankTransfer) -> Result<Vec<[u64; 3]>, PlanError> {
+        self.resolve(t.local_table, t.remote_table, &t.local_ids, &t.remote_ids)
+    }
+
+    /// Resolve descriptor-id pairs of local table `key` and remote rank `remote_rank` into byte moves
+    /// `[local_addr, remote_addr, len]`.
+    ///
+    /// # Errors
+    /// `BadTransfer` when a table or id does not exist, the lists differ in length, or a pair's lengths differ.
+    pub fn resolve(
+        &self,
+        key: TableKey,
+        remote_rank: u32,
+        local_ids: &[i32],
+        remote_ids: &[i32],
+    ) -> Result<Vec<[u64; 3]>, PlanError> {
         let lt = self
-            .local_table(t.local_table)
-            .ok_or_else(|| PlanError::BadTransfer(format!("no local table {:?}", t.local_table)))?;
+            .local_table(key)
+            .ok_or_else(|| PlanError::BadTransfer(format!("no local table {key:?}")))?;
         let rt = self
-            .remote_table(t.remote_table)
-            .ok_or_else(|| PlanError::BadTransfer(format!("no remote table for rank {}", t.remote_table)))?;
-        if t.local_ids.len() != t.remote_ids.len() {
+            .remote_table(remote_rank)
+            .ok_or_else(|| PlanError::BadTransfer(format!("no remote table for rank {remote_rank}")))?;
+        if local_ids.len() != remote_ids.len() {
             return Err(PlanError::BadTransfer(format!(
                 "{} local ids but {} remote ids",
-                t.local_ids.len(),
-                t.remote_ids.len()
+                local_ids.len(),
+                remote_ids.len()
             )));
         }
         let desc = |table: &DescTable, id: i32, side: Side| {
@@ -492,8 +532,8 @@ impl PeerPlan {
                 ))
             })
         };
-        let mut out = Vec::with_capacity(t.local_ids.len());
-        for (&l, &r) in t.local_ids.iter().zip(&t.remote_ids) {
+        let mut out = Vec::with_capacity(local_ids.len());
+        for (&l, &r) in local_ids.iter().zip(remote_ids) {
             let ((la, ll), (ra, rl)) = (desc(lt, l, Side::Local)?, desc(rt, r, Side::Remote)?);
             if ll != rl {
                 return Err(PlanError::BadTransfer(format!(
