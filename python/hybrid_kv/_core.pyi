@@ -110,3 +110,59 @@ def validate_handshake(
     expected_num_blocks: int | None = None,
 ) -> None:
     """Raise ``HandshakeError`` (one line per finding, ``findings`` attribute) unless compatible."""
+
+@final
+class RankTransfer:
+    """One NIXL transfer: int32 descriptor ids into a local table and a remote rank's table."""
+
+    @property
+    def remote_rank(self) -> int: ...
+    @property
+    def local_table(self) -> str:
+        """Local table key: ``"whole"``, ``"bsr:N"`` or ``"split:I"``."""
+    @property
+    def remote_table(self) -> int: ...
+    @property
+    def local_ids(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def remote_ids(self) -> npt.NDArray[np.int32]: ...
+
+@final
+class Plan:
+    """The transfers of one request between one local rank and one peer engine."""
+
+    @property
+    def transfers(self) -> list[RankTransfer]: ...
+    @property
+    def notify_ranks(self) -> list[int]: ...
+    def __len__(self) -> int: ...
+    def moves(self, i: int) -> npt.NDArray[np.uint64]:
+        """``(M, 3)`` uint64 ``(local_addr, remote_addr, len)`` of transfer ``i``; raises ``PlanError``."""
+
+@final
+class PeerPlan:
+    """TP mapping and descriptor tables of one local rank against one peer engine."""
+
+    def __new__(cls, local: RegionTable, remotes: list[str], mode: str = "pull") -> PeerPlan:
+        """``remotes``: metadata JSON of every handshaked remote rank; raises ``PlanError``."""
+    @property
+    def mode(self) -> str: ...
+    @property
+    def tp_ratio(self) -> int: ...
+    @property
+    def attn_ranks(self) -> list[int]: ...
+    @property
+    def ssm_ranks(self) -> list[int]: ...
+    @property
+    def remote_ranks(self) -> list[int]: ...
+    @property
+    def table_keys(self) -> list[str]: ...
+    def local_descs(self, key: str) -> npt.NDArray[np.uint64]: ...
+    def local_rows(self, key: str) -> npt.NDArray[np.uint64]: ...
+    def remote_descs(self, rank: int) -> npt.NDArray[np.uint64]: ...
+    def remote_rows(self, rank: int) -> npt.NDArray[np.uint64]: ...
+    def plan(self, local_ids: list[list[int]], remote_ids: list[list[int]]) -> Plan:
+        """Plan one request from each side's logical block ids per group; raises ``PlanError``."""
+
+def plan_scenario(scenario_json: str, *, moves: bool = True) -> str:
+    """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""

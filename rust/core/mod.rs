@@ -29,10 +29,10 @@ pub mod fixtures;
 mod natural;
 
 #[cfg(test)]
+mod oracle_tests;
+#[cfg(test)]
 mod plan_tests;
 #[cfg(test)]
 mod region_tests;
-#[cfg(test)]
-mod oracle_tests;
 #[cfg(test)]
 mod scenario_tests;

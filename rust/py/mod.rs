@@ -3,6 +3,7 @@
 mod arrays;
 mod errors;
 mod handshake;
+mod plan;
 mod region;
 
 use pyo3::prelude::*;
@@ -14,6 +15,9 @@ mod _core {
 
     #[pymodule_export]
     use super::region::PyRegionTable;
+
+    #[pymodule_export]
+    use super::plan::{plan_scenario, PyPeerPlan, PyPlan, PyRankTransfer};
 
     #[pymodule_export]
     use super::handshake::{

@@ -1,0 +1,69 @@
+"""``hybrid-kv plan SCENARIO.json``: plan every request of a scenario on every local rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .._core import plan_scenario
+from ._console import console as make_console
+
+
+def _read(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    return Path(path).read_text(encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan the scenario and print the transfers (a table, or JSON with ``--json``)."""
+    report: dict[str, Any] = json.loads(plan_scenario(_read(args.scenario), moves=args.json and not args.no_moves))
+    if args.json:
+        print(json.dumps(report, indent=None if args.compact else 2))
+        return 0
+    console = make_console()
+    p_tp, d_tp = report["tp"]
+    console.print(
+        f"mode {report['mode']}: {report['local_side']} ranks post the transfers (prefill TP {p_tp}, decode TP {d_tp})"
+    )
+    t = Table(title="transfers")
+    for col in ("request", "local rank", "remote rank", "local table", "descriptors", "bytes", "notify"):
+        t.add_column(col, justify="left" if col in ("request", "local table") else "right")
+    for req in report["requests"]:
+        for rank in req["ranks"]:
+            notify = ",".join(str(r) for r in rank["notify_ranks"])
+            if not rank["transfers"]:
+                t.add_row(req["id"], str(rank["local_rank"]), "-", "-", "0", "0", notify)
+            for tr in rank["transfers"]:
+                t.add_row(
+                    req["id"],
+                    str(rank["local_rank"]),
+                    str(tr["remote_rank"]),
+                    tr["local_table"],
+                    str(len(tr["local_ids"])),
+                    str(tr["bytes"]),
+                    notify,
+                )
+    console.print(t)
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the ``plan`` subcommand."""
+    p = sub.add_parser(
+        "plan",
+        help="plan every request of a scenario file on every rank",
+        description="Build every rank of a P/D deployment described by a scenario file (see docs/scenario.md), "
+        "plan each request on every local rank (decode in pull mode, prefill in push mode) and print the "
+        "transfers. With --json, print every transfer's descriptor ids and byte moves.",
+    )
+    p.add_argument("scenario", help="scenario JSON file, or - for stdin")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON (ids and moves)")
+    p.add_argument("--no-moves", action="store_true", help="with --json, leave out the resolved byte moves")
+    p.add_argument("--compact", action="store_true", help="with --json, print on one line")
+    p.set_defaults(func=run)

@@ -1,0 +1,342 @@
+//! `PeerPlan`, `Plan` and `RankTransfer` for Python, and `plan_scenario`: conversions only, planning runs in
+//! the core with the GIL released.
+
+use std::sync::Arc;
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+
+use super::arrays::u64_matrix;
+use super::errors::{LayoutError, PlanError, PyCoreError};
+use super::region::PyRegionTable;
+use crate::core::plan::{PeerPlan, TableKey};
+use crate::core::plan_error::PlanError as CorePlanError;
+use crate::core::scenario::{Deployment, Scenario, ScenarioError};
+use crate::core::scenario_report::report;
+use crate::core::{AgentMeta, TransferMode};
+
+impl From<CorePlanError> for PyCoreError {
+    fn from(e: CorePlanError) -> Self {
+        match e {
+            CorePlanError::Layout(l) => PyCoreError::from(l),
+            other => PyCoreError(PlanError::new_err(other.to_string())),
+        }
+    }
+}
+
+impl From<ScenarioError> for PyCoreError {
+    fn from(e: ScenarioError) -> Self {
+        match e {
+            ScenarioError::Layout { .. } => PyCoreError(LayoutError::new_err(e.to_string())),
+            other => PyCoreError(PlanError::new_err(other.to_string())),
+        }
+    }
+}
+
+fn parse_mode(mode: &str) -> PyResult<TransferMode> {
+    match mode {
+        "pull" => Ok(TransferMode::Pull),
+        "push" => Ok(TransferMode::Push),
+        _ => Err(PlanError::new_err(format!(
+            "mode must be \"pull\" or \"push\", got {mode:?}"
+        ))),
+    }
+}
+
+fn parse_key(key: &str) -> PyResult<TableKey> {
+    key.parse::<TableKey>().map_err(|e| PyCoreError::from(e).into())
+}
+
+/// Everything one local rank needs to plan requests against one peer engine (mapping and tables).
+#[pyclass(frozen, name = "PeerPlan", module = "hybrid_kv")]
+pub struct PyPeerPlan {
+    inner: Arc<PeerPlan>,
+}
+
+#[pymethods]
+impl PyPeerPlan {
+    /// Precompute the TP mapping and descriptor tables of `local` against a peer engine.
+    ///
+    /// Args:
+    ///     local (RegionTable): this rank's region table.
+    ///     remotes (list[str]): handshake metadata (JSON) of every remote rank this rank talks to.
+    ///     mode (str): "pull" (local is decode) or "push" (local is prefill).
+    /// Raises:
+    ///     PlanError: the two sides cannot be planned together (the message names both values).
+    #[new]
+    #[pyo3(signature = (local, remotes, mode = "pull"))]
+    fn new(py: Python<'_>, local: PyRef<'_, PyRegionTable>, remotes: Vec<String>, mode: &str) -> PyResult<Self> {
+        let mode = parse_mode(mode)?;
+        let metas = remotes
+            .iter()
+            .map(|m| {
+                serde_json::from_str::<AgentMeta>(m)
+                    .map_err(|e| PlanError::new_err(format!("bad remote metadata: {e}")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let table = Arc::clone(&local.inner);
+        let peer = py
+            .detach(move || PeerPlan::new(&table, &metas, mode))
+            .map_err(PyCoreError::from)?;
+        Ok(PyPeerPlan { inner: Arc::new(peer) })
+    }
+
+    /// "pull" or "push".
+    #[getter]
+    fn mode(&self) -> &'static str {
+        match self.inner.mode {
+            TransferMode::Pull => "pull",
+            TransferMode::Push => "push",
+        }
+    }
+
+    /// Signed TP ratio from the local view.
+    #[getter]
+    fn tp_ratio(&self) -> i64 {
+        self.inner.mapping.tp_ratio
+    }
+
+    /// Remote ranks holding the attention heads this rank needs.
+    #[getter]
+    fn attn_ranks(&self) -> Vec<u32> {
+        self.inner.mapping.attn_ranks.clone()
+    }
+
+    /// Remote ranks whose SSM shards overlap this rank's.
+    #[getter]
+    fn ssm_ranks(&self) -> Vec<u32> {
+        self.inner.mapping.ssm_ranks.clone()
+    }
+
+    /// Handshaked remote ranks, ascending.
+    #[getter]
+    fn remote_ranks(&self) -> Vec<u32> {
+        self.inner.remote_tables.iter().map(|(r, _)| *r).collect()
+    }
+
+    /// Keys of the local tables ("whole", "bsr:N", "split:I").
+    #[getter]
+    fn table_keys(&self) -> Vec<String> {
+        self.inner.local_tables.iter().map(|(k, _)| k.to_string()).collect()
+    }
+
+    /// Local table `key` as an `(N, 3)` uint64 array `(addr, len, device)`.
+    ///
+    /// Raises:
+    ///     PlanError: no such table.
+    fn local_descs<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let k = parse_key(key)?;
+        let t = self
+            .inner
+            .local_table(k)
+            .ok_or_else(|| PlanError::new_err(format!("no local table {key:?}")))?;
+        u64_matrix(py, t.to_flat(), 3)
+    }
+
+    /// Local table `key` as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
+    ///
+    /// Raises:
+    ///     PlanError: no such table.
+    fn local_rows<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let k = parse_key(key)?;
+        let t = self
+            .inner
+            .local_table(k)
+            .ok_or_else(|| PlanError::new_err(format!("no local table {key:?}")))?;
+        u64_matrix(py, t.to_strided(), 5)
+    }
+
+    /// Remote rank `rank`'s table as an `(N, 3)` uint64 array.
+    ///
+    /// Raises:
+    ///     PlanError: `rank` was not handshaked.
+    fn remote_descs<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let t = self
+            .inner
+            .remote_table(rank)
+            .ok_or_else(|| PlanError::new_err(format!("no remote rank {rank}")))?;
+        u64_matrix(py, t.to_flat(), 3)
+    }
+
+    /// Remote rank `rank`'s table as strided `(rows, 5)` uint64 rows.
+    ///
+    /// Raises:
+    ///     PlanError: `rank` was not handshaked.
+    fn remote_rows<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let t = self
+            .inner
+            .remote_table(rank)
+            .ok_or_else(|| PlanError::new_err(format!("no remote rank {rank}")))?;
+        u64_matrix(py, t.to_strided(), 5)
+    }
+
+    /// Plan one request from each side's logical block ids per group.
+    ///
+    /// Args:
+    ///     local_ids (list[list[int]]): this rank's logical block ids, one list per KV-cache group.
+    ///     remote_ids (list[list[int]]): the peer's logical block ids, one list per group.
+    /// Raises:
+    ///     PlanError: wrong group count, an id outside its pool, or lists that cannot be paired.
+    fn plan(&self, py: Python<'_>, local_ids: Vec<Vec<u64>>, remote_ids: Vec<Vec<u64>>) -> PyResult<PyPlan> {
+        let peer = Arc::clone(&self.inner);
+        let plan = py
+            .detach(move || peer.plan(&local_ids, &remote_ids))
+            .map_err(PyCoreError::from)?;
+        let mut transfers = Vec::with_capacity(plan.transfers.len());
+        for t in plan.transfers {
+            let rt = PyRankTransfer {
+                remote_rank: t.remote_rank,
+                key: t.local_table,
+                remote_table: t.remote_table,
+                local_ids: t.local_ids.into_pyarray(py).unbind(),
+                remote_ids: t.remote_ids.into_pyarray(py).unbind(),
+            };
+            transfers.push(Py::new(py, rt)?);
+        }
+        Ok(PyPlan {
+            peer: Arc::clone(&self.inner),
+            transfers,
+            notify_ranks: plan.notify_ranks,
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "PeerPlan(mode={}, local_rank={}/{}, remote_tp={}, tp_ratio={}, tables={:?})",
+            self.mode(),
+            p.mapping.tp_rank,
+            p.mapping.tp_size,
+            p.mapping.remote_tp,
+            p.mapping.tp_ratio,
+            self.table_keys()
+        )
+    }
+}
+
+/// One NIXL transfer: int32 descriptor ids into a local table and a remote rank's table.
+#[pyclass(frozen, name = "RankTransfer", module = "hybrid_kv")]
+pub struct PyRankTransfer {
+    remote_rank: u32,
+    key: TableKey,
+    remote_table: u32,
+    local_ids: Py<PyArray1<i32>>,
+    remote_ids: Py<PyArray1<i32>>,
+}
+
+#[pymethods]
+impl PyRankTransfer {
+    /// Remote TP rank.
+    #[getter]
+    fn remote_rank(&self) -> u32 {
+        self.remote_rank
+    }
+
+    /// Local table key ("whole", "bsr:N", "split:I").
+    #[getter]
+    fn local_table(&self) -> String {
+        self.key.to_string()
+    }
+
+    /// Remote table (the remote rank).
+    #[getter]
+    fn remote_table(&self) -> u32 {
+        self.remote_table
+    }
+
+    /// Local descriptor ids (contiguous int32).
+    #[getter]
+    fn local_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.local_ids.bind(py).clone()
+    }
+
+    /// Remote descriptor ids (contiguous int32, same length).
+    #[getter]
+    fn remote_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.remote_ids.bind(py).clone()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "RankTransfer(remote_rank={}, local_table={}, descs={})",
+            self.remote_rank,
+            self.key,
+            self.local_ids.bind(py).len().unwrap_or(0)
+        )
+    }
+}
+
+/// The transfers of one request between one local rank and one peer engine.
+#[pyclass(frozen, name = "Plan", module = "hybrid_kv")]
+pub struct PyPlan {
+    peer: Arc<PeerPlan>,
+    transfers: Vec<Py<PyRankTransfer>>,
+    notify_ranks: Vec<u32>,
+}
+
+#[pymethods]
+impl PyPlan {
+    /// Transfers with at least one descriptor, in remote-rank order.
+    #[getter]
+    fn transfers(&self, py: Python<'_>) -> Vec<Py<PyRankTransfer>> {
+        self.transfers.iter().map(|t| t.clone_ref(py)).collect()
+    }
+
+    /// Every handshaked remote rank (each must be notified, transferred to or not).
+    #[getter]
+    fn notify_ranks(&self) -> Vec<u32> {
+        self.notify_ranks.clone()
+    }
+
+    fn __len__(&self) -> usize {
+        self.transfers.len()
+    }
+
+    /// Byte moves of transfer `i` as an `(M, 3)` uint64 array `(local_addr, remote_addr, len)`.
+    ///
+    /// Raises:
+    ///     PlanError: `i` is out of range or an id does not resolve.
+    fn moves<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let t = self.transfers.get(i).ok_or_else(|| {
+            PlanError::new_err(format!(
+                "transfer {i} is out of range for a plan of {} transfers",
+                self.transfers.len()
+            ))
+        })?;
+        let t = t.get();
+        let (l, r) = (t.local_ids.bind(py).readonly(), t.remote_ids.bind(py).readonly());
+        let moves = self
+            .peer
+            .resolve(t.key, t.remote_table, l.as_slice()?, r.as_slice()?)
+            .map_err(PyCoreError::from)?;
+        u64_matrix(py, moves.concat(), 3)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Plan(transfers={}, notify_ranks={:?})",
+            self.transfers.len(),
+            self.notify_ranks
+        )
+    }
+}
+
+/// Build and plan a whole scenario (see `docs/scenario.md`) and return the report as JSON.
+///
+/// Args:
+///     scenario_json (str): the scenario.
+///     moves (bool): resolve every descriptor pair into `[local_addr, remote_addr, len]`.
+/// Raises:
+///     PlanError: the scenario is malformed or cannot be planned.
+///     LayoutError: a rank's layout is invalid.
+#[pyfunction]
+#[pyo3(signature = (scenario_json, *, moves = true))]
+pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool) -> PyResult<String> {
+    let text = scenario_json.to_owned();
+    let out = py.detach(move || -> Result<String, ScenarioError> {
+        let dep = Deployment::build(&Scenario::from_json(&text)?)?;
+        let r = report(&dep, moves)?;
+        serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
+    });
+    out.map_err(|e| PyCoreError::from(e).into())
+}

@@ -1,0 +1,149 @@
+"""PeerPlan / Plan / RankTransfer bindings: reference F.2 ids, numpy contracts, error mapping, moves."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybrid_kv import HybridKvError, LayoutError, PlanError, RegionTable
+from hybrid_kv._core import PeerPlan, Plan, RankTransfer
+from hybrid_kv.layout import build_region_table, layer, rank_layout
+
+PAGE = 144
+MLA = {"type": "mla", "head_size": 6, "dtype_bytes": 2}
+KDA = {
+    "type": "ssm",
+    "kind": "gdn",
+    "conv_shape": [8, 3],
+    "conv_dtype_bytes": 2,
+    "temporal_shape": [1, 4, 4],
+    "temporal_dtype_bytes": 4,
+    "page_size_padded": PAGE,
+}
+
+
+def f2_layout(bases: tuple[int, int], num_blocks: int = 4) -> dict[str, Any]:
+    """Reference F.2: two tensors, each shared by kda_a.i, mla.i, kda_b.i; logical 12, kernel 4."""
+    layers = []
+    for i, base in enumerate(bases):
+        for name, group, spec in (("kda_a", 1, KDA), ("mla", 0, MLA), ("kda_b", 2, KDA)):
+            layers.append(layer(f"{name}.{i}", group, spec, base=base, nbytes=num_blocks * PAGE))
+    return rank_layout(layers, logical_block_size=12, kernel_block_size=4, num_logical_blocks=num_blocks)
+
+
+def meta_json(table: RegionTable, mode: str = "pull") -> str:
+    return table.agent_meta_json(
+        json.dumps(
+            {
+                "engine_id": "prefill",
+                "agent_metadata": [],
+                "kv_layout": "HND",
+                "attn_backend": "FLASHMLA",
+                "transfer_mode": mode,
+                "compat_hash": "",
+            }
+        )
+    )
+
+
+T0, T1 = 0x1000, 0x10000
+
+
+@pytest.fixture
+def peer() -> PeerPlan:
+    local = build_region_table(f2_layout((T0, T1)))
+    remote = build_region_table(f2_layout((0x90000, 0xA0000)))
+    return PeerPlan(local, [meta_json(remote)], "pull")
+
+
+def test_f2_request_ids_are_int32_and_match_the_reference(peer: PeerPlan) -> None:
+    plan = peer.plan([[1], [2], [3]], [[1], [2], [3]])
+    assert isinstance(plan, Plan) and len(plan) == 1
+    t = plan.transfers[0]
+    assert isinstance(t, RankTransfer)
+    assert (t.remote_rank, t.local_table, t.remote_table) == (0, "whole", 0)
+    want = [3, 4, 5, 15, 16, 17] + [v for s in range(8) for v in (24 + 4 * s + 2, 24 + 4 * s + 3)]
+    for ids in (t.local_ids, t.remote_ids):
+        assert ids.dtype == np.int32 and ids.flags.c_contiguous and ids.ndim == 1
+        assert ids.tolist() == want
+    assert plan.notify_ranks == [0]
+
+
+def test_tables_are_uint64_nx3_and_nx5(peer: PeerPlan) -> None:
+    assert peer.table_keys == ["whole"]
+    descs = peer.local_descs("whole")
+    assert descs.dtype == np.uint64 and descs.shape == (56, 3)
+    assert descs[1].tolist() == [T0 + 48, 48, 0]
+    rows = peer.local_rows("whole")
+    assert rows.shape == (10, 5) and int(rows[:, 4].sum()) == 56
+    assert peer.remote_descs(0).shape == (56, 3)
+    assert peer.remote_rows(0).shape[1] == 5
+    assert (peer.mode, peer.tp_ratio, peer.remote_ranks, peer.attn_ranks) == ("pull", 1, [0], [0])
+    with pytest.raises(PlanError, match="no remote rank 3"):
+        peer.remote_descs(3)
+    with pytest.raises(PlanError, match="table key"):
+        peer.local_descs("nope")
+
+
+def test_moves_resolve_to_equal_length_byte_ranges(peer: PeerPlan) -> None:
+    plan = peer.plan([[1], [2], [3]], [[0], [1], [2]])
+    moves = plan.moves(0)
+    assert moves.dtype == np.uint64 and moves.shape == (22, 3)
+    assert moves[0].tolist() == [T0 + 3 * 48, 0x90000 + 0, 48]
+    assert int(moves[:, 2].sum()) == 6 * 48 + 2 * 2 * (12 + 12 + 24 + 64)
+    with pytest.raises(PlanError, match="out of range"):
+        plan.moves(1)
+
+
+def test_plan_errors_name_the_value_and_the_limit(peer: PeerPlan) -> None:
+    with pytest.raises(PlanError, match="block id 4 of group 1 is out of range: the pool has 4 logical blocks"):
+        peer.plan([[1], [4], [3]], [[1], [2], [3]])
+    with pytest.raises(
+        PlanError, match="unpairable SSM state slots in group 1: decode lists 3 states, prefill lists 1"
+    ):
+        peer.plan([[1], [0, 1, 2], [3]], [[1], [2], [3]])
+    with pytest.raises(PlanError, match="2 groups, but the model has 3"):
+        peer.plan([[1], [2]], [[1], [2], [3]])
+    assert issubclass(PlanError, HybridKvError)
+
+
+def test_peer_plan_construction_errors() -> None:
+    local = build_region_table(f2_layout((T0, T1)))
+    remote = build_region_table(f2_layout((0x90000, 0xA0000)))
+    with pytest.raises(PlanError, match='mode must be "pull" or "push"'):
+        PeerPlan(local, [meta_json(remote)], "sideways")
+    with pytest.raises(PlanError, match="transfer mode differs"):
+        PeerPlan(local, [meta_json(remote, "push")], "pull")
+    with pytest.raises(PlanError, match="bad remote metadata"):
+        PeerPlan(local, ["{}"], "pull")
+    other = f2_layout((0x90000, 0xA0000))
+    other["kernel_block_size"] = 5
+    with pytest.raises(LayoutError):
+        build_region_table(other)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ids=st.permutations(list(range(8))).map(lambda p: p[:5]),
+    remote=st.permutations(list(range(8))).map(lambda p: p[:5]),
+)
+def test_moves_stay_inside_the_request_blocks(ids: list[int], remote: list[int]) -> None:
+    local = build_region_table(f2_layout((T0, T1), 8))
+    peer = PeerPlan(local, [meta_json(build_region_table(f2_layout((0x90000, 0xA0000), 8)))], "pull")
+    local_ids = [ids[:2], [ids[2]], [ids[3]]]
+    plan = peer.plan(local_ids, [remote[:2], [remote[2]], [remote[3]]])
+    blocks = set(ids[:4])
+    seen: set[int] = set()
+    for i in range(len(plan)):
+        for la, _, n in plan.moves(i).tolist():
+            base = T1 if la >= T1 else T0
+            block = (la - base) // PAGE
+            assert block in blocks and (la + n - 1 - base) // PAGE == block
+            span = set(range(la, la + n))
+            assert not span & seen
+            seen |= span
