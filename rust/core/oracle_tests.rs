@@ -318,11 +318,23 @@ fn simulate(s: &Scenario) {
 enum Family {
     HybridMla,
     GqaSsm,
+    GqaMamba1,
     PureMla,
     PureGqa,
 }
 
 fn ssm(mamba: MambaKind) -> Group {
+    if mamba == MambaKind::Mamba1 {
+        let temporal_shape = vec![8, 2];
+        return Group::Ssm {
+            mamba,
+            conv_dim: 8,
+            conv_rows: 2,
+            conv_dtype_bytes: 1,
+            temporal_shape,
+            temporal_dtype_bytes: 2,
+        };
+    }
     Group::Ssm {
         mamba,
         conv_dim: 24,
@@ -367,6 +379,12 @@ fn model(f: Family, heads: u64) -> Model {
                 .map(|i| vec![layer(format!("attn.{i}"), 0), layer(format!("mamba.{i}"), 1)])
                 .collect(),
         ),
+        Family::GqaMamba1 => (
+            vec![attn, ssm(MambaKind::Mamba1)],
+            (0..2)
+                .map(|i| vec![layer(format!("attn.{i}"), 0), layer(format!("mamba.{i}"), 1)])
+                .collect(),
+        ),
         Family::PureMla => (
             vec![mla],
             (0..2).map(|i| vec![layer(format!("layers.{i}"), 0)]).collect(),
@@ -391,7 +409,7 @@ fn min_logical(f: Family, heads: u64, tp: u64) -> u64 {
     let state = 24 * 2 / tp + 8 / tp * 2;
     let per_token = match f {
         Family::HybridMla => 8,
-        Family::GqaSsm => (heads / tp).max(1) * 3,
+        Family::GqaSsm | Family::GqaMamba1 => (heads / tp).max(1) * 3,
         _ => return 1,
     };
     state.div_ceil(per_token)
@@ -399,7 +417,7 @@ fn min_logical(f: Family, heads: u64, tp: u64) -> u64 {
 
 prop_compose! {
     fn scenario()(
-        fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::PureMla, Family::PureGqa]),
+        fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::GqaMamba1, Family::PureMla, Family::PureGqa]),
         heads in prop::sample::select(vec![1u64, 2, 4, 8]),
         tps in (prop::sample::select(vec![1u32, 2, 4, 8]), prop::sample::select(vec![1u32, 2, 4, 8])),
         kernels in (prop::sample::select(vec![2u64, 4, 8]), prop::sample::select(vec![2u64, 4, 8])),
@@ -409,7 +427,7 @@ prop_compose! {
     ) -> Scenario {
         let (ptp, dtp) = tps;
         let single_head = |tp: u32| heads <= u64::from(tp);
-        let gqa = matches!(fam, Family::GqaSsm | Family::PureGqa);
+        let gqa = matches!(fam, Family::GqaSsm | Family::GqaMamba1 | Family::PureGqa);
         // Heads-major pages with several heads per rank cannot be cut into token sub-blocks: equal kernels.
         let (pk, dk) = if gqa && !(single_head(ptp) && single_head(dtp)) { (kernels.0, kernels.0) } else { kernels };
         let lbs = |k: u64, tp: u32, extra: u64| {
@@ -467,7 +485,7 @@ prop_compose! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 160, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Random deployments of every family, both modes, any TP pair, mixed kernel blocks and prefix hits.
     #[test]
