@@ -8,6 +8,8 @@ pub mod layout;
 pub mod meta;
 pub mod plan;
 pub mod plan_error;
+mod plan_ids;
+mod plan_routes;
 pub mod ratio;
 pub mod region;
 pub mod remote;

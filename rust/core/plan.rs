@@ -21,9 +21,11 @@
 use super::descs::DescTable;
 use super::meta::{AgentMeta, TransferMode};
 use super::plan_error::{mismatch, PlanError, Side};
+use super::plan_ids::{window_units, IdSpace};
+use super::plan_routes::{routes, Route};
 use super::region::{GroupKind, RegionTable};
 use super::remote::{hosts_attention, remote_table};
-use super::split::{split_table, Piece};
+use super::split::split_table;
 use super::tp::TpMapping;
 use super::trim::{trim, GroupTrim, Window};
 use super::units::BlockUnits;
@@ -86,89 +88,6 @@ pub struct Plan {
     pub transfers: Vec<RankTransfer>,
     /// Every handshaked remote rank: each must be told the request is done, transferred to or not.
     pub notify_ranks: Vec<u32>,
-}
-
-/// Which groups one remote rank exchanges, through which local table.
-#[derive(Debug, Clone)]
-struct Route {
-    remote_rank: u32,
-    table: TableKey,
-    groups: Vec<bool>,
-}
-
-/// Descriptor-id geometry of one side.
-#[derive(Debug, Clone)]
-struct IdSpace {
-    /// Flat start of every region's attention descriptors.
-    region_start: Vec<u64>,
-    /// Flat start of every (SSM region, stream), in table order.
-    ssm_start: Vec<u64>,
-    /// Common units per logical attention block (`ppl * sub`).
-    units_per_logical: u64,
-    /// Tokens per logical block.
-    logical_tokens: u64,
-    /// Largest logical id + 1 of every group.
-    group_cap: Vec<u64>,
-}
-
-impl IdSpace {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        counts: &[u64],
-        num_fa: u64,
-        ssm_streams: usize,
-        ppl: u64,
-        sub: u64,
-        logical_tokens: u64,
-        num_logical: u64,
-        region_groups: &[Vec<usize>],
-        groups: &[GroupKind],
-    ) -> IdSpace {
-        let mut region_start = Vec::with_capacity(counts.len());
-        let mut acc = 0;
-        for c in counts {
-            region_start.push(acc);
-            acc += c;
-        }
-        let ssm_start = (0..ssm_streams as u64).map(|s| num_fa + s * num_logical).collect();
-        let group_cap = (0..groups.len())
-            .map(|g| {
-                let regions = region_groups.iter().enumerate().filter(|(_, gs)| gs.contains(&g));
-                regions
-                    .map(|(r, _)| counts[r] / (ppl * sub))
-                    .fold(num_logical, u64::min)
-            })
-            .collect();
-        IdSpace {
-            region_start,
-            ssm_start,
-            units_per_logical: ppl * sub,
-            logical_tokens,
-            group_cap,
-        }
-    }
-
-    fn check(&self, side: Side, ids: &[Vec<u64>]) -> Result<(), PlanError> {
-        if ids.len() != self.group_cap.len() {
-            return Err(PlanError::GroupCount {
-                side,
-                got: ids.len(),
-                expected: self.group_cap.len(),
-            });
-        }
-        for (g, (list, &cap)) in ids.iter().zip(&self.group_cap).enumerate() {
-            if let Some(&id) = list.iter().find(|&&id| id >= cap) {
-                return Err(PlanError::BlockOutOfRange {
-                    side,
-                    group: g,
-                    id,
-                    limit: cap,
-                    unit: "logical",
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Everything one local rank needs to plan requests against one peer engine.
@@ -560,70 +479,4 @@ impl Plan {
         })?;
         peer.moves(t)
     }
-}
-
-/// Unit ids of the window `w` of the unit expansion of logical `ids` (`u` units per logical block).
-fn window_units(ids: &[u64], u: u64, w: Window) -> Vec<u64> {
-    let mut out = Vec::with_capacity(w.len as usize);
-    let (mut i, end) = (w.start, w.start + w.len);
-    while i < end {
-        let (b, j0) = (i / u, i % u);
-        let j1 = u.min(j0 + (end - i));
-        let base = ids[b as usize] * u;
-        out.extend(base + j0..base + j1);
-        i += j1 - j0;
-    }
-    out
-}
-
-/// Routes (remote rank, local table, groups) and the split pieces they use.
-fn routes(
-    local: &RegionTable,
-    m: &TpMapping,
-    mode: TransferMode,
-    base: TableKey,
-    groups: &[GroupKind],
-) -> (Vec<Route>, Vec<Piece>) {
-    let has_ssm = local.has_ssm();
-    let targets: Vec<u32> = match mode {
-        TransferMode::Pull => m.all_source_ranks.clone(),
-        TransferMode::Push => m.covered_ranks(),
-    };
-    let fa_splits = m.attn_ranks.len() as u64;
-    let head_split = local
-        .regions
-        .iter()
-        .any(|r| !r.is_mla && hosts_attention(r.group, groups))
-        && fa_splits > 1;
-    let needs_split = m.tp_ratio < 0 && (has_ssm || head_split);
-    let mut pieces = Vec::new();
-    let mut out = Vec::with_capacity(targets.len());
-    for &rank in &targets {
-        let sel: Vec<bool> = groups
-            .iter()
-            .enumerate()
-            .map(|(g, kind)| match (mode, kind.is_attention()) {
-                (TransferMode::Pull, _) => m.per_group[g].contains(&rank),
-                (TransferMode::Push, true) => m.tp_ratio < 0 || m.owns_attention(),
-                (TransferMode::Push, false) => m.ssm_ranks.contains(&rank),
-            })
-            .collect();
-        let table = if needs_split {
-            pieces.push(Piece {
-                fa_slot: u64::from(m.attention_slot(rank)),
-                fa_splits,
-                ssm_index: m.ssm_ranks.iter().position(|&r| r == rank).unwrap_or(0) as u64,
-                ssm_splits: if has_ssm { m.ssm_ranks.len() as u64 } else { 0 },
-            });
-            TableKey::Split(pieces.len() - 1)
-        } else {
-            base
-        };
-        out.push(Route {
-            remote_rank: rank,
-            table,
-            groups: sel,
-        });
-    }
-    (out, pieces)
 }
