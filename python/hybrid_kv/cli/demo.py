@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         seed=args.seed,
         timeout_s=args.timeout,
+        corrupt=args.inject_corruption,
     )
     cfg.validate()  # bad arguments fail here, before any process starts
     preset = get_preset(cfg.preset)
@@ -158,9 +159,9 @@ def register(sub: Any) -> None:
     p.add_argument("--prefill-tp", type=int, default=2, metavar="N", help="prefill TP size (default 2)")
     p.add_argument("--decode-tp", type=int, default=1, metavar="M", help="decode TP size (default 1)")
     p.add_argument("--mode", choices=("pull", "push"), default="pull", help="who posts transfers (default pull)")
-    p.add_argument("--requests", type=int, default=8, metavar="N", help="requests in the batch (default 8)")
+    p.add_argument("--requests", type=int, default=16, metavar="N", help="requests in the batch (default 16)")
     p.add_argument(
-        "--tokens", type=int, default=1000, metavar="L", help="longest request; others down to L/2 (default 1000)"
+        "--tokens", type=int, default=4000, metavar="L", help="longest request; others down to L/2 (default 4000)"
     )
     p.add_argument("--prefill-block-size", type=int, metavar="K", help="prefill kernel block (default: the preset's)")
     p.add_argument("--decode-block-size", type=int, metavar="K", help="decode kernel block (default: the preset's)")
@@ -168,4 +169,5 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="content seed (default 0)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="bound on every wait (default 120 s)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests: verification must fail
     p.set_defaults(func=run)

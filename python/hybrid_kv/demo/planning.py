@@ -7,60 +7,71 @@ table, and per request the ``Transfer`` tuples the transport posts.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 
-from .._core import PeerPlan, RegionTable, handshake_target_ranks
+from .._core import PeerPlan, PlanError, RegionTable, decode_meta
 from ..transport import Transfer
 
 U64 = npt.NDArray[np.uint64]
 
 
 def handshake_targets(rank: int, tp: int, remote_tp: int) -> list[int]:
-    """The peer ranks a rank exchanges data with (reference C.2)."""
-    return list(handshake_target_ranks(rank, tp, remote_tp))
+    """The peer ranks a rank exchanges data with (reference C.2): the one remote rank covering it when the
+    local TP is the larger, else the ``remote_tp / tp`` remote ranks its shard spans. ``PeerPlan`` checks that
+    it is given exactly these ranks."""
+    if rank < 0 or rank >= tp:
+        raise PlanError(f"rank {rank} is out of range for TP size {tp}")
+    if tp < 1 or remote_tp < 1 or max(tp, remote_tp) % min(tp, remote_tp):
+        raise PlanError(
+            f"local TP {tp} and remote TP {remote_tp}: the larger must be a positive multiple of the smaller"
+        )
+    if tp >= remote_tp:
+        return [rank // (tp // remote_tp)]
+    ratio = remote_tp // tp
+    return list(range(rank * ratio, (rank + 1) * ratio))
 
 
 class RankPlanner:
     """One active rank's plan against the peer engine."""
 
     def __init__(self, table: RegionTable, payloads: dict[int, bytes], mode: str) -> None:
-        self.plan_ = PeerPlan(table, [payloads[r] for r in sorted(payloads)], mode)
-        self.local_tables: dict[str, U64] = dict(self.plan_.local_tables())
-        self._lengths = {k: _lengths(v) for k, v in self.local_tables.items()}
+        self.plan_ = PeerPlan(table, [decode_meta(payloads[r]) for r in sorted(payloads)], mode)
+        self.local_tables: dict[str, U64] = {key: self.plan_.local_rows(key) for key in self.plan_.table_keys}
+        self._index = {k: _RowIndex(v) for k, v in self.local_tables.items()}
 
     def remote_tables(self, rank: int) -> dict[str, U64]:
         """The tables to prep against peer ``rank`` (keyed as transfers name them)."""
-        return {"remote": self.plan_.remote_table(rank)}
+        return {"remote": self.plan_.remote_rows(rank)}
 
     def plan(self, local_ids: list[list[int]], remote_ids: list[list[int]]) -> list[Transfer]:
         """One request's transfers (empty when there is nothing to move)."""
-        plan: Any = self.plan_.plan(local_ids, remote_ids)
-        return [
-            Transfer(int(t.remote_rank), str(t.local_table), "remote", t.local_ids, t.remote_ids)
-            for t in plan.transfers
-        ]
+        plan = self.plan_.plan(local_ids, remote_ids)
+        return [Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers]
 
     def transfer_bytes(self, t: Transfer) -> int:
         """Bytes a transfer moves (sum of its local descriptors' lengths)."""
-        return int(self._lengths[t.local_key][np.asarray(t.local_ids, dtype=np.int64)].sum())
+        return self._index[t.local_key].bytes_of(t.local_ids)
 
     def table_shapes(self) -> dict[str, dict[str, int]]:
         """Every local table: strided rows as prepped and descriptors once expanded."""
-        return {
-            k: {"rows": int(v.shape[0]), "descriptors": int(self._lengths[k].size)}
-            for k, v in self.local_tables.items()
-        }
+        return {k: {"rows": int(v.shape[0]), "descriptors": self._index[k].count} for k, v in self.local_tables.items()}
 
     def remote_descriptors(self, rank: int) -> int:
         """Descriptors (expanded) of peer ``rank``'s table."""
-        return int(_lengths(self.plan_.remote_table(rank)).size)
+        return _RowIndex(self.plan_.remote_rows(rank)).count
 
 
-def _lengths(rows: U64) -> npt.NDArray[np.uint64]:
-    """Length of every descriptor of a table, in flattened id order."""
-    if rows.shape[1] == 3:
-        return rows[:, 1].copy()
-    return np.repeat(rows[:, 1], rows[:, 4].astype(np.int64))
+class _RowIndex:
+    """Descriptor lengths of an ``(N, 3)`` or strided ``(N, 5)`` table without expanding it."""
+
+    def __init__(self, rows: U64) -> None:
+        counts = np.ones(rows.shape[0], dtype=np.int64) if rows.shape[1] == 3 else rows[:, 4].astype(np.int64)
+        self.ends = np.cumsum(counts)
+        self.lens = rows[:, 1].astype(np.int64)
+        self.count = int(self.ends[-1]) if self.ends.size else 0
+
+    def bytes_of(self, ids: npt.ArrayLike) -> int:
+        """Total length of the descriptors ``ids`` (flattened ids)."""
+        row = np.searchsorted(self.ends, np.asarray(ids, dtype=np.int64), side="right")
+        return int(self.lens[row].sum())

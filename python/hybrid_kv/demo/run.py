@@ -32,13 +32,15 @@ class DemoConfig:
     prefill_tp: int = 2
     decode_tp: int = 1
     mode: str = "pull"
-    requests: int = 8
-    tokens: int = 1000
+    requests: int = 16
+    tokens: int = 4000
     prefill_block_size: int | None = None
     decode_block_size: int | None = None
     num_blocks: int | None = None
     seed: int = 0
     timeout_s: float = 120.0
+    corrupt: bool = False
+    """Fault injection for tests: decode rank 0 flips one received byte before verifying."""
 
     def validate(self) -> tuple[Side, Side]:
         """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
@@ -266,7 +268,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             result.bytes_moved += nbytes
             result.nixl_transfers += xfers
         emit("stage", {"name": "verifying every decode byte", "total": 0})
-        ranks.send(ranks.keys("decode"), "verify")
+        ranks.send(ranks.keys("decode"), "verify", cfg.corrupt)
         verdicts = ranks.collect("verified", ranks.keys("decode"))
         for (role, rank), (problem, checked, verify_s) in sorted(verdicts.items()):
             result.bytes_verified += checked

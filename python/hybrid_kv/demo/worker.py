@@ -216,7 +216,10 @@ class _Worker:
             (senders,) = self.wait("expect")
             self._await_pushes(senders)
         if spec.role == "decode":
-            self.wait("verify")
+            (corrupt,) = self.wait("verify")
+            if corrupt and spec.rank == 0:  # fault injection (tests): one received byte goes bad
+                b = self.requests[0].decode_ids[0][0]
+                self.pools[0][b * self.side.geometry.page_bytes] ^= 0xFF
             self._verify()
         self.wait("finish")
 
