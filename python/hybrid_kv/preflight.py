@@ -29,6 +29,7 @@ from .presets import Preset, get_preset
 SMALL_DESCRIPTOR_BYTES = 64 * 1024
 MANY_DESCRIPTORS = 100_000
 DEFAULT_KV_GIB = 40.0
+TINY_KV_GIB = 0.25
 
 
 @dataclass
@@ -92,7 +93,7 @@ def preflight(
     *,
     mode: str = "pull",
     tokens: int = 32768,
-    kv_gib: float = DEFAULT_KV_GIB,
+    kv_gib: float | None = None,
     num_blocks: int | None = None,
     prefill_block_size: int | None = None,
     decode_block_size: int | None = None,
@@ -108,6 +109,8 @@ def preflight(
         raise LayoutError(f"request length must be positive, got {tokens}")
     if num_blocks is not None and num_blocks < 1:
         raise LayoutError(f"number of blocks must be positive, got {num_blocks}")
+    if kv_gib is None:
+        kv_gib = TINY_KV_GIB if preset.tiny_of else DEFAULT_KV_GIB
     if kv_gib <= 0:
         raise LayoutError(f"KV memory per rank must be positive, got {kv_gib} GiB")
     for tp, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
@@ -219,3 +222,118 @@ def _warnings(report: Report, active: str) -> list[str]:
                 f"(above {MANY_DESCRIPTORS}); posting them will take a large share of the transfer time"
             )
     return out
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+PRESET_EXAMPLES = """preset pre-flight examples:
+  hybrid-kv check --preset kimi-linear-48b-a3b --prefill-tp 8 --decode-tp 1
+  hybrid-kv check --preset deepseek-v3 --prefill-tp 8 --decode-tp 8 --tokens 32768 --json
+  hybrid-kv check --preset qwen3-next-80b-a3b --prefill-tp 2 --decode-tp 4 --mode push --kv-gib 60
+"""
+
+
+def add_preset_arguments(p: Any) -> None:
+    """The ``--preset`` options of ``hybrid-kv check`` (a pre-flight report instead of a scenario file)."""
+    from .presets import preset_names
+
+    g = p.add_argument_group("preset pre-flight (instead of a scenario file)")
+    g.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(preset_names())}")
+    g.add_argument("--prefill-tp", type=int, metavar="N", help="prefill TP size (with --preset)")
+    g.add_argument("--decode-tp", type=int, metavar="M", help="decode TP size (with --preset)")
+    g.add_argument("--mode", choices=("pull", "push"), default="pull", help="who posts transfers (default pull)")
+    g.add_argument("--tokens", type=int, default=32768, metavar="L", help="request length to cost (default 32768)")
+    g.add_argument(
+        "--kv-gib",
+        type=float,
+        metavar="G",
+        help=f"KV-cache GiB per rank, sizing the pools (default {DEFAULT_KV_GIB:g}; {TINY_KV_GIB:g} for tiny presets)",
+    )
+    g.add_argument("--num-blocks", type=int, metavar="N", help="logical blocks per pool (overrides --kv-gib)")
+    g.add_argument("--prefill-block-size", type=int, metavar="K", help="prefill kernel block (default: preset's)")
+    g.add_argument("--decode-block-size", type=int, metavar="K", help="decode kernel block (default: preset's)")
+
+
+def run_preset(args: Any) -> int:
+    """``hybrid-kv check --preset ...``: print the report; 0 compatible, 1 incompatible."""
+    from .cli import CliError
+
+    if args.prefill_tp is None or args.decode_tp is None:
+        raise CliError("--preset needs --prefill-tp and --decode-tp")
+    report = preflight(
+        args.preset,
+        args.prefill_tp,
+        args.decode_tp,
+        mode=args.mode,
+        tokens=args.tokens,
+        kv_gib=args.kv_gib,
+        num_blocks=args.num_blocks,
+        prefill_block_size=args.prefill_block_size,
+        decode_block_size=args.decode_block_size,
+    )
+    if getattr(args, "json", False):
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_report(report)
+    return 0 if report.compatible else 1
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def print_report(report: Report) -> None:
+    """Human-readable report (rich)."""
+    from rich.table import Table
+
+    from .cli._console import console
+
+    out = console()
+    out.print(
+        f"[bold]hybrid-kv check[/bold]: {report.preset} ({report.description}); prefill TP "
+        f"{report.prefill.get('tp', '?')} -> decode TP {report.decode.get('tp', '?')}, {report.mode}"
+    )
+    out.print(f"  source: {report.source}")
+    for side in ("prefill", "decode"):
+        s = getattr(report, side)
+        if s:
+            out.print(
+                f"  {side:7}: TP {s['tp']}, logical block {s['logical_block_size']} tokens = {s['ppl']} x "
+                f"{s['kernel_block_size']}-token kernel blocks of {_size(s['kernel_page_bytes'])}, page "
+                f"{_size(s['page_bytes'])}, {s['num_blocks']} blocks x {s['tensors']} tensors per rank "
+                f"({_size(s['num_blocks'] * s['page_bytes'] * s['tensors'])})"
+            )
+    if report.ranks:
+        t = Table(title=f"per rank (request of {report.tokens} tokens)")
+        for col in ("rank", "regions", "local table", "peers", "remote tables", "req. descs", "req. bytes", "xfers"):
+            t.add_column(col, justify="left" if col in ("rank", "local table", "peers", "remote tables") else "right")
+        for rr in report.ranks:
+            local = f"{rr.local_rows} rows = {rr.local_descriptors} descs"
+            if len(rr.tables) > 1:
+                local += f" (+{len(rr.tables) - 1} split)"
+            remote = ", ".join(f"{r}: {n}" for r, n in rr.remote_descriptors.items()) or "-"
+            posting = rr.posts and rr.request_descriptors
+            t.add_row(
+                f"{rr.role} {rr.rank}" + (" *" if rr.posts else ""),
+                str(rr.regions),
+                local,
+                ", ".join(map(str, rr.peers)) or "-",
+                remote,
+                str(rr.request_descriptors) if posting else "-",
+                _size(rr.request_bytes) if posting else "-",
+                str(rr.request_transfers) if posting else "-",
+            )
+        out.print(t)
+        out.print("  * posts the transfers (decode in pull mode, prefill in push mode)")
+    if report.compatible:
+        out.print("[bold green]COMPATIBLE[/bold green]: every handshake pair validates and every posting rank plans")
+    else:
+        out.print(f"[bold red]INCOMPATIBLE[/bold red]: {len(report.reasons)} reason(s)")
+        for r in report.reasons:
+            out.print(f"  - {r}")
+    for w in report.warnings:
+        out.print(f"[yellow]warning[/yellow]: {w}")
