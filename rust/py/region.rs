@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use numpy::PyArray2;
+use numpy::{PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::u64_matrix;
@@ -97,11 +97,19 @@ impl PyRegionTable {
     ///     LayoutError: `bsr` does not divide a kernel page.
     #[pyo3(signature = (bsr = 1))]
     fn local_descs<'py>(&self, py: Python<'py>, bsr: u64) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let t = Arc::clone(&self.inner);
-        let flat = py
-            .detach(move || t.local_table(bsr).map(|d| d.to_flat()))
-            .map_err(PyCoreError::from)?;
-        u64_matrix(py, flat, 3)
+        let table = self.inner.local_table(bsr).map_err(PyCoreError::from)?;
+        // Allocate in numpy (which asks for huge pages on large arrays) and fill in place: first-touch page
+        // faults of a fresh Rust Vec cost more than the writes themselves at millions of descriptors.
+        let out = py
+            .import("numpy")?
+            .call_method1("empty", ((table.len() as usize, 3), "uint64"))?
+            .cast_into::<PyArray2<u64>>()?;
+        {
+            let mut view = out.readwrite();
+            let flat = view.as_slice_mut()?;
+            py.detach(|| table.write_flat(flat));
+        }
+        Ok(out)
     }
 
     /// The local descriptor table as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
