@@ -104,9 +104,14 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("requests", f"{result.requests} ({lo}-{hi} tokens)")
     t.add_row("peers", ", ".join(f"{k} <-> {cfg_peer(k)} {v}" for k, v in sorted(result.peers.items())))
     t.add_row("bytes moved", f"{_size(result.bytes_moved)} ({result.bytes_moved} B)")
-    t.add_row("descriptors posted", f"{result.descriptors} in {result.nixl_transfers} NIXL transfers")
+    avg = result.bytes_moved / result.descriptors if result.descriptors else 0
+    t.add_row(
+        "descriptors posted",
+        f"{result.descriptors} in {result.nixl_transfers} NIXL transfers ({_size(avg)} per descriptor on average)",
+    )
     tables = "; ".join(
-        f"{rank}: " + ", ".join(f"{key} {s['rows']} rows = {s['descriptors']} descriptors" for key, s in v.items())
+        f"{rank}: {len(v)} x {next(iter(v.values()))['rows']} strided rows = "
+        f"{next(iter(v.values()))['descriptors']} descriptors ({', '.join(v)})"
         for rank, v in sorted(result.tables.items())
     )
     t.add_row("local tables", tables)
@@ -121,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("verified", f"{_size(result.bytes_verified)} of decode memory in {_ms(result.verify_s)}")
     out.print(t)
     if result.verified:
+        who = "the decode rank's memory" if cfg.decode_tp == 1 else f"all {cfg.decode_tp} decode ranks' memory"
         out.print(
-            f"[bold green]VERIFIED[/bold green]: every byte of {cfg.decode_tp} decode rank(s) matches the logical "
-            "model (MLA pages replicated, SSM state sharded per DESIGN §2b); every other byte is unchanged."
+            f"[bold green]VERIFIED[/bold green]: every byte of {who} matches the logical model (MLA pages "
+            "replicated, SSM state sharded per DESIGN §2b); every byte no request names is unchanged."
         )
         return 0
     out.print("[bold red]FAILED[/bold red]: decode memory differs from the logical model:")
