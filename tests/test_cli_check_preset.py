@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -83,3 +84,20 @@ def test_help_lists_presets_and_examples(capsys: pytest.CaptureFixture[str]) -> 
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--preset" in out and "kimi-linear-48b-a3b" in out and "--prefill-tp 8 --decode-tp 1" in out
+
+
+def test_scenario_files_from_a_preset_and_malformed_ones(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybrid_kv.presets import get_preset
+
+    good = tmp_path / "kimi.json"
+    good.write_text(json.dumps(get_preset("tiny-kimi-linear").scenario(2, 1)))
+    status, out, _ = run(capsys, str(good))
+    assert status == 0 and "COMPATIBLE" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": {"groups": [], "tensors": []}, "prefill": 3}')
+    status, _, err = run(capsys, str(bad))
+    assert status == 2 and err.startswith("hybrid-kv check: error:") and err.count("\n") == 1, err
+    status, _, err = run(capsys, str(tmp_path / "missing.json"))
+    assert status == 2 and "missing.json" in err and err.count("\n") == 1
+    status, _, err = run(capsys)
+    assert status == 2 and "give a scenario file or --preset" in err

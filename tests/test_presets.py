@@ -137,3 +137,31 @@ def test_overrides_and_bad_values_are_clear_errors() -> None:
         get_preset("llama")
     with pytest.raises(LayoutError, match="out of range"):
         p.rank_layout(2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "ptp", "dtp", "mode"),
+    [("kimi-linear-48b-a3b", 8, 1, "pull"), ("nemotron-h-8b", 1, 4, "push"), ("tiny-qwen3.5", 2, 1, "pull")],
+)
+def test_preset_scenarios_build_and_plan(name: str, ptp: int, dtp: int, mode: str) -> None:
+    from hybrid_kv._core import plan_scenario
+
+    p = PRESETS[name]
+    kinds = p.group_kinds()
+    pg, dg = p.geometry(ptp), p.geometry(dtp)
+
+    def ids(logical: int) -> list[list[int]]:
+        out, nxt = [], 0
+        for kind in kinds:
+            n = 1 if kind == "ssm" else -(-5000 // logical)
+            out.append(list(range(nxt, nxt + n)))
+            nxt += n
+        return out
+
+    request = {"id": "r0", "prefill": ids(pg.logical_block_size), "decode": ids(dg.logical_block_size)}
+    scenario = p.scenario(ptp, dtp, mode=mode, num_blocks=128, requests=[request])
+    report = json.loads(plan_scenario(json.dumps(scenario), moves=False))
+    assert report["tp"] == [ptp, dtp] and report["mode"] == mode
+    ranks = report["requests"][0]["ranks"]
+    assert len(ranks) == (dtp if mode == "pull" else ptp)
+    assert all(rank["transfers"] for rank in ranks)
