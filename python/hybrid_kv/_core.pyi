@@ -166,3 +166,7 @@ class PeerPlan:
 
 def plan_scenario(scenario_json: str, *, moves: bool = True) -> str:
     """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""
+
+def handshake_target_ranks(tp_rank: int, tp_size: int, remote_tp: int) -> list[int]:
+    """The remote ranks ``tp_rank`` of ``tp_size`` exchanges data with (one when the local TP is the larger, else
+    the ``remote_tp / tp_size`` ranks its shard spans); ``PeerPlan`` expects exactly these. Raises ``PlanError``."""

@@ -17,7 +17,7 @@ mod _core {
     use super::region::PyRegionTable;
 
     #[pymodule_export]
-    use super::plan::{plan_scenario, PyPeerPlan, PyPlan, PyRankTransfer};
+    use super::plan::{handshake_target_ranks, plan_scenario, PyPeerPlan, PyPlan, PyRankTransfer};
 
     #[pymodule_export]
     use super::handshake::{

@@ -340,3 +340,27 @@ pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool) -> PyResu
     });
     out.map_err(|e| PyCoreError::from(e).into())
 }
+
+/// The remote ranks a local rank handshakes and exchanges data with (reference C.2): the one remote rank
+/// covering it when the local TP is at least the remote TP, else the `remote_tp / tp_size` remote ranks its
+/// shard spans. `PeerPlan` expects the metadata of exactly these ranks, in this order.
+///
+/// Args:
+///     tp_rank (int): the local rank.
+///     tp_size (int): the local TP size.
+///     remote_tp (int): the peer engine's TP size.
+/// Raises:
+///     PlanError: the TP sizes do not divide each other, or the rank is out of range.
+#[pyfunction]
+pub fn handshake_target_ranks(tp_rank: i64, tp_size: i64, remote_tp: i64) -> PyResult<Vec<u32>> {
+    let arg = |name: &str, v: i64| {
+        u32::try_from(v)
+            .map_err(|_| PlanError::new_err(format!("{name} must be a non-negative 32-bit integer, got {v}")))
+    };
+    let (rank, tp, remote) = (
+        arg("tp_rank", tp_rank)?,
+        arg("tp_size", tp_size)?,
+        arg("remote_tp", remote_tp)?,
+    );
+    crate::core::tp::handshake_target_ranks(rank, tp, remote).map_err(|e| PyCoreError::from(e).into())
+}

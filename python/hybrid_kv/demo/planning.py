@@ -10,26 +10,14 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .._core import PeerPlan, PlanError, RegionTable, decode_meta
+from .._core import PeerPlan, RegionTable, decode_meta, handshake_target_ranks
 from ..transport import Transfer
 
 U64 = npt.NDArray[np.uint64]
 
-
-def handshake_targets(rank: int, tp: int, remote_tp: int) -> list[int]:
-    """The peer ranks a rank exchanges data with (reference C.2): the one remote rank covering it when the
-    local TP is the larger, else the ``remote_tp / tp`` remote ranks its shard spans. ``PeerPlan`` checks that
-    it is given exactly these ranks."""
-    if rank < 0 or rank >= tp:
-        raise PlanError(f"rank {rank} is out of range for TP size {tp}")
-    if tp < 1 or remote_tp < 1 or max(tp, remote_tp) % min(tp, remote_tp):
-        raise PlanError(
-            f"local TP {tp} and remote TP {remote_tp}: the larger must be a positive multiple of the smaller"
-        )
-    if tp >= remote_tp:
-        return [rank // (tp // remote_tp)]
-    ratio = remote_tp // tp
-    return list(range(rank * ratio, (rank + 1) * ratio))
+handshake_targets = handshake_target_ranks
+"""The peer ranks a rank exchanges data with: the planner's rule, from Rust (kept under this name for
+``preflight``)."""
 
 
 class RankPlanner:

@@ -166,13 +166,13 @@ class _Worker:
     def _connect(self, addresses: dict[int, str], registration: Any) -> None:
         import zmq
 
-        from .._core import validate_handshake
+        from .._core import handshake_target_ranks, validate_handshake
         from ..transport import Endpoint, HandshakeError
         from ..transport.side_channel import ChannelError, fetch_meta
-        from .planning import RankPlanner, handshake_targets
+        from .planning import RankPlanner
 
         spec = self.spec
-        targets = handshake_targets(spec.rank, spec.tp, spec.remote_tp)
+        targets = handshake_target_ranks(spec.rank, spec.tp, spec.remote_tp)
         ctx: Any = zmq.Context()
         try:
             payloads = {r: fetch_meta(ctx, addresses[r], r, spec.name, 10.0)[0] for r in targets}
