@@ -5,7 +5,7 @@ use serde::Serialize;
 use super::error::Finding;
 use super::validate::{findings, Expected};
 use crate::core::meta::AgentMeta;
-use crate::core::ratio::tp_ratio;
+use crate::core::tp::handshake_target_ranks;
 
 /// The verdict for one (local rank, remote rank) pair.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -27,7 +27,8 @@ impl PairVerdict {
 
 /// Validate every local rank against the remote ranks it exchanges with. `remote` is indexed by TP rank;
 /// all its ranks must advertise one engine id, TP size and block count (rank 0's are expected of the rest).
-/// When the TP sizes do not divide, each local rank is paired with remote rank 0 so the reason is reported.
+/// Targets are [`handshake_target_ranks`]; when the TP sizes do not divide (or a local rank is outside its TP
+/// size), the local rank is paired with remote rank 0 so the reason is reported.
 pub fn check_pairs(local: &[AgentMeta], remote: &[AgentMeta]) -> Vec<PairVerdict> {
     let Some(first) = remote.first() else { return Vec::new() };
     let expected = Expected {
@@ -37,14 +38,8 @@ pub fn check_pairs(local: &[AgentMeta], remote: &[AgentMeta]) -> Vec<PairVerdict
     };
     let mut out = Vec::new();
     for l in local {
-        let targets: Vec<u32> = match tp_ratio(l.tp_size, remote.len() as u32) {
-            Ok(r) if r > 0 => vec![l.tp_rank / r as u32],
-            Ok(r) => {
-                let n = r.unsigned_abs() as u32;
-                (0..n).map(|i| l.tp_rank.saturating_mul(n).saturating_add(i)).collect()
-            }
-            Err(_) => vec![0],
-        };
+        // Sizes that do not divide (or a rank outside its TP size) pair with remote rank 0, whose checks say why.
+        let targets = handshake_target_ranks(l.tp_rank, l.tp_size, remote.len() as u32).unwrap_or_else(|_| vec![0]);
         for t in targets {
             let Some(r) = remote.get(t as usize) else { continue };
             out.push(PairVerdict {
@@ -94,5 +89,11 @@ mod tests {
         let v = check_pairs(&d, &engine(3, 48, "prefill"));
         assert_eq!(v.len(), 2);
         assert!(v[0].findings.iter().any(|f| f.check == "tp_divisibility"));
+        // A local rank outside its TP size is paired with remote rank 0 and reported, not dropped.
+        let mut stray = d.clone();
+        stray[1].tp_rank = 5;
+        let v = check_pairs(&stray, &p);
+        assert_eq!((v[2].local_rank, v[2].remote_rank), (5, 0));
+        assert!(v[2].findings.iter().any(|f| f.check == "local.tp_rank"), "{v:?}");
     }
 }

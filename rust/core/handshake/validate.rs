@@ -11,6 +11,7 @@ use super::wellformed::check_well_formed;
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::ratio::{block_size_ratio, tp_ratio};
 use crate::core::region::GroupKind;
+use crate::core::tp::handshake_target_ranks;
 
 /// Layouts whose last three physical dims are heads, tokens, channels: a head range is contiguous.
 pub const HEAD_CONTIGUOUS_LAYOUTS: [&str; 3] = ["HND", "LBHNC", "BLHNC"];
@@ -186,12 +187,8 @@ fn tp(local: &AgentMeta, remote: &AgentMeta, expected: &Expected, add: &mut Add<
     }
     match tp_ratio(local.tp_size, remote.tp_size) {
         Ok(r) => {
-            let targets: Vec<u32> = if r > 0 {
-                vec![local.tp_rank / r as u32]
-            } else {
-                let n = r.unsigned_abs() as u32;
-                (0..n).map(|i| local.tp_rank * n + i).collect()
-            };
+            // Cannot fail: the ratio is valid and well-formed metas have tp_rank < tp_size.
+            let targets = handshake_target_ranks(local.tp_rank, local.tp_size, remote.tp_size).unwrap_or_default();
             if !targets.contains(&remote.tp_rank) {
                 add(
                     "tp_peer",
