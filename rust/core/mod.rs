@@ -14,6 +14,7 @@ pub mod ratio;
 pub mod region;
 pub mod remote;
 pub mod scenario;
+pub mod scenario_check;
 pub mod scenario_report;
 pub mod spec;
 pub mod split;
@@ -36,5 +37,7 @@ mod oracle_tests;
 mod plan_tests;
 #[cfg(test)]
 mod region_tests;
+#[cfg(test)]
+mod scenario_check_tests;
 #[cfg(test)]
 mod scenario_tests;

@@ -398,6 +398,11 @@ fn rank_layout(
     })
 }
 
+/// One past the last byte of a rank's tensors (`None` without layers).
+fn layout_end(layout: &RankLayout) -> Option<u64> {
+    layout.layers.iter().map(|l| l.memory.base + l.memory.bytes).max()
+}
+
 fn build_engine(
     s: &Scenario,
     engine: &Engine,
@@ -417,12 +422,7 @@ fn build_engine(
     let mut next = origin;
     for rank in 0..engine.tp_size {
         let layout = rank_layout(s, engine, side, rank, next)?;
-        let end = layout
-            .layers
-            .iter()
-            .map(|l| l.memory.base + l.memory.bytes)
-            .max()
-            .unwrap_or(next);
+        let end = layout_end(&layout).unwrap_or(next);
         next = round_up(end, 1 << 30)
             .and_then(|a| a.checked_add(1 << 30))
             .ok_or_else(|| invalid(format!("{side}: addresses overflow")))?;
@@ -433,6 +433,23 @@ fn build_engine(
     Ok(out)
 }
 
+/// Build every rank of both engines (layout, region table, handshake metadata), without any peer plan:
+/// `(prefill, decode)`, each indexed by TP rank.
+///
+/// # Errors
+/// `Invalid` for values the format forbids, `Layout` for a rank that cannot be laid out.
+pub fn build_engines(s: &Scenario) -> Result<(Vec<RankState>, Vec<RankState>), ScenarioError> {
+    if s.model.groups.is_empty() || s.model.tensors.is_empty() {
+        return Err(invalid("the model needs at least one group and one tensor".into()));
+    }
+    let prefill = build_engine(s, &s.prefill, "prefill", 0x1000_0000_0000)?;
+    let prefill_end = prefill.last().and_then(|r| layout_end(&r.layout)).unwrap_or(0);
+    let decode_origin =
+        round_up(prefill_end.max(0x2000_0000_0000), 1 << 40).ok_or_else(|| invalid("addresses overflow".into()))?;
+    let decode = build_engine(s, &s.decode, "decode", decode_origin)?;
+    Ok((prefill, decode))
+}
+
 impl Deployment {
     /// Build every rank of both engines and the peer plan of every local rank.
     ///
@@ -440,21 +457,7 @@ impl Deployment {
     /// `Invalid` for values the format forbids, `Layout` for a rank that cannot be laid out, `Plan` for a
     /// combination that cannot be planned (naming both sides' values).
     pub fn build(s: &Scenario) -> Result<Deployment, ScenarioError> {
-        if s.model.groups.is_empty() || s.model.tensors.is_empty() {
-            return Err(invalid("the model needs at least one group and one tensor".into()));
-        }
-        let prefill = build_engine(s, &s.prefill, "prefill", 0x1000_0000_0000)?;
-        let decode_origin = prefill.last().map_or(0, |r| {
-            r.layout
-                .layers
-                .iter()
-                .map(|l| l.memory.base + l.memory.bytes)
-                .max()
-                .unwrap_or(0)
-        });
-        let decode_origin = round_up(decode_origin.max(0x2000_0000_0000), 1 << 40)
-            .ok_or_else(|| invalid("addresses overflow".into()))?;
-        let decode = build_engine(s, &s.decode, "decode", decode_origin)?;
+        let (prefill, decode) = build_engines(s)?;
         let (local, remote, local_side) = match s.mode {
             TransferMode::Pull => (&decode, &prefill, "decode"),
             TransferMode::Push => (&prefill, &decode, "prefill"),
