@@ -167,6 +167,11 @@ class PeerPlan:
 def plan_scenario(scenario_json: str, *, moves: bool = True) -> str:
     """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""
 
+def check_scenario(scenario_json: str) -> str:
+    """Handshake-check every rank pair of a scenario and plan its requests on every rank whose pairs pass; returns
+    the verdict report as JSON (``pairs`` with findings, ``summary``). Raises ``PlanError`` / ``LayoutError`` when
+    the scenario is malformed or an engine cannot be built."""
+
 def handshake_target_ranks(tp_rank: int, tp_size: int, remote_tp: int) -> list[int]:
     """The remote ranks ``tp_rank`` of ``tp_size`` exchanges data with (one when the local TP is the larger, else
     the ``remote_tp / tp_size`` ranks its shard spans); ``PeerPlan`` expects exactly these. Raises ``PlanError``."""
