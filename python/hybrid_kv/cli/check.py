@@ -1,7 +1,8 @@
 """``hybrid-kv check``: validate a P/D deployment before launch, from a scenario file or a model preset.
 
-* ``hybrid-kv check SCENARIO.json``: build every rank of the scenario and plan each of its requests on every
-  rank that posts transfers; any layout, handshake or planning problem is reported.
+* ``hybrid-kv check SCENARIO.json``: build every rank of the scenario, run the handshake checks on every rank
+  pair (each local rank against the remote ranks it handshakes with), and plan the requests on every local rank
+  whose pairs pass; a verdict table lists every pair with all of its findings.
 * ``hybrid-kv check --preset NAME --prefill-tp N --decode-tp M``: the pre-flight report of a real deployment
   of a model preset (see :mod:`hybrid_kv.preflight`).
 """
@@ -37,22 +38,70 @@ def _read(path: str) -> str:
     return Path(path).read_text(encoding="utf-8")
 
 
-def run_scenario(args: argparse.Namespace) -> int:
-    """Build and plan the whole scenario; a problem raises (one line, exit 2)."""
-    from .._core import plan_scenario
+def _finding_line(f: dict[str, str]) -> str:
+    """``check: local X, remote Y`` (``check: value Y`` for a value with no counterpart)."""
+    if f["local"]:
+        return f"{f['check']}: local {f['local']}, remote {f['remote']}"
+    return f"{f['check']}: value {f['remote']}"
 
-    report: dict[str, Any] = json.loads(plan_scenario(_read(args.scenario), moves=False))
-    requests = report.get("requests", [])
-    transfers = sum(len(rank["transfers"]) for req in requests for rank in req["ranks"])
-    if args.json:
-        print(json.dumps({"compatible": True, "requests": len(requests), "transfers": transfers}))
-        return 0
+
+def _summary_line(report: dict[str, Any]) -> str:
+    s = report["summary"]
     p_tp, d_tp = report["tp"]
-    make_console().print(
-        f"[bold green]COMPATIBLE[/bold green]: prefill TP {p_tp} -> decode TP {d_tp}, {report['mode']}; every rank "
-        f"builds and {len(requests)} request(s) plan into {transfers} transfer(s)"
+    setup = f"prefill TP {p_tp} -> decode TP {d_tp}, {report['mode']} ({report['local_side']} posts)"
+    if s["compatible"]:
+        return (
+            f"[bold green]COMPATIBLE[/bold green]: {setup}; all {s['pairs']} rank pair(s) pass the handshake checks; "
+            f"{s['requests']} request(s) plan into {s['transfers']} transfer(s), {s['bytes']} bytes"
+        )
+    findings = sum(len(p["findings"]) for p in report["pairs"])
+    return (
+        f"[bold red]INCOMPATIBLE[/bold red]: {setup}; {s['incompatible_pairs']} of {s['pairs']} rank pair(s) fail "
+        f"with {findings} finding(s)"
     )
-    return 0
+
+
+def print_check_report(report: dict[str, Any]) -> None:
+    """The verdict table (one row per rank pair, findings one per line) and the summary line."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("P rank", justify="right")
+    table.add_column("D rank", justify="right")
+    table.add_column("verdict")
+    table.add_column("findings", overflow="fold")
+    for pair in report["pairs"]:
+        lines = [
+            escape(_finding_line(f)) + (f" [dim]({escape(f['detail'])})[/dim]" if f["detail"] else "")
+            for f in pair["findings"]
+        ]
+        table.add_row(
+            str(pair["prefill_rank"]),
+            str(pair["decode_rank"]),
+            "[green]compatible[/green]" if pair["verdict"] == "compatible" else "[red]incompatible[/red]",
+            "\n".join(lines) if lines else "-",
+        )
+    console = make_console()
+    if report.get("name"):
+        console.print(f"[bold]{escape(report['name'])}[/bold]")
+    console.print(table)
+    console.print(_summary_line(report))
+
+
+def run_scenario(args: argparse.Namespace) -> int:
+    """Handshake-check every rank pair of the scenario and plan its requests; 0 only when every pair passes.
+
+    A malformed scenario, or one with an engine that cannot be built at all, raises (one line, exit 2).
+    """
+    from .._core import check_scenario
+
+    report: dict[str, Any] = json.loads(check_scenario(_read(args.scenario)))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_check_report(report)
+    return 0 if report["summary"]["compatible"] else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,9 +120,10 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "check",
         help="validate a deployment before launch (scenario file or model preset)",
-        description="Validate a P/D deployment before any GPU is touched: a scenario file (every rank built, every "
-        "request planned), or a model preset at given TP sizes (a pre-flight report: compatibility with reasons, "
-        "regions and descriptor tables per rank, peers, descriptors and bytes per request, descriptor-bound warnings).",
+        description="Validate a P/D deployment before any GPU is touched: a scenario file (every rank pair "
+        "handshake-checked, every request planned, a verdict per pair), or a model preset at given TP sizes (a "
+        "pre-flight report: compatibility with reasons, regions and descriptor tables per rank, peers, descriptors and "
+        "bytes per request, descriptor-bound warnings).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,185 @@
+"""``hybrid-kv check SCENARIO.json``: every rank pair handshake-checked, a verdict table, exit 0 only when all pass."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybrid_kv.cli import main
+
+SCENARIOS = Path(__file__).parent / "data" / "scenarios"
+
+
+def load(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((SCENARIOS / name).read_text())
+    return data
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["check", *argv])
+    cap = capsys.readouterr()
+    return status, cap.out, cap.err
+
+
+def write(tmp_path: Path, scenario: dict[str, Any]) -> str:
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(scenario))
+    return str(path)
+
+
+def kimi_pull() -> dict[str, Any]:
+    s = load("kimi_tiny_8p2d_push.json")
+    s["mode"] = "pull"
+    return s
+
+
+def tp_not_dividing() -> dict[str, Any]:
+    """12 temporal heads and 12/12/24 conv channels split over 6 and over 4 ranks, but 6 and 4 do not divide."""
+    s = kimi_pull()
+    s["model"]["groups"][1]["temporal_shape"] = [12, 2, 2]
+    s["prefill"]["tp_size"], s["decode"]["tp_size"] = 6, 4
+    return s
+
+
+def hybrid_mla_mismatch() -> dict[str, Any]:
+    """An SSM-only tensor pages at the per-rank state, which the MLA tensors' block-size ratio does not scale."""
+    s = kimi_pull()
+    s["model"]["tensors"].append({"layers": [{"name": "kda.2", "group": 1}]})
+    s["decode"]["logical_block_size"] = 16
+    return s
+
+
+@pytest.mark.parametrize(("name", "pairs"), [("gqa_ssm_2p4d_pull.json", 4), ("hybrid_mla_f2.json", 1)])
+def test_compatible_examples_exit_0_with_a_row_per_pair(
+    name: str, pairs: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run(capsys, str(SCENARIOS / name))
+    assert status == 0, out
+    assert "COMPATIBLE" in out and "INCOMPATIBLE" not in out
+    assert f"all {pairs} rank pair(s) pass the handshake checks" in out
+    assert out.count("│ compatible") == pairs
+    assert "P rank" in out and "D rank" in out and "verdict" in out and "findings" in out
+
+
+def test_gqa_pull_rows_pair_each_decode_rank_with_its_prefill_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, str(SCENARIOS / "gqa_ssm_2p4d_pull.json"), "--json")
+    assert status == 0
+    rep = json.loads(out)
+    assert [(p["prefill_rank"], p["decode_rank"]) for p in rep["pairs"]] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert rep["summary"]["compatible"] is True and rep["summary"]["transfers"] == 4
+    assert rep["mode"] == "pull" and rep["local_side"] == "decode" and rep["tp"] == [2, 4]
+
+
+def test_tp_sizes_that_do_not_divide_fail_every_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, write(tmp_path, tp_not_dividing()))
+    assert status == 1, out
+    assert "INCOMPATIBLE" in out and "4 of 4 rank pair(s) fail with 4 finding(s)" in out
+    assert out.count("tp_divisibility: local 4, remote 6") == 4
+    assert out.count("│ incompatible") == 4
+
+
+def test_every_finding_of_a_pair_is_listed_with_both_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, write(tmp_path, hybrid_mla_mismatch()))
+    assert status == 1
+    assert out.count("hybrid_mla_block_len: local [256, 256, 208], remote [128, 128, 52]") == 8
+    # TP 3 against 2 as well: both findings on each pair, one per line.
+    s = hybrid_mla_mismatch()
+    s["model"]["groups"][1]["temporal_shape"] = [12, 2, 2]
+    s["prefill"]["tp_size"], s["prefill"]["logical_block_size"] = 3, 16
+    status, out, _ = run(capsys, write(tmp_path, s))
+    assert status == 1
+    assert out.count("tp_divisibility: local 2, remote 3") == 2
+    assert out.count("hybrid_mla_block_len: local [256, 256, 240], remote [128, 128, 80]") == 2
+    status, out, _ = run(capsys, write(tmp_path, s), "--json")
+    assert status == 1
+    rep = json.loads(out)
+    for pair in rep["pairs"]:
+        assert pair["verdict"] == "incompatible"
+        assert [(f["check"], f["local"], f["remote"]) for f in pair["findings"]] == [
+            ("tp_divisibility", "2", "3"),
+            ("hybrid_mla_block_len", "[256, 256, 240]", "[128, 128, 80]"),
+        ]
+    assert rep["summary"] | {"compatible": False, "incompatible_pairs": 2} == rep["summary"]
+
+
+def test_a_planner_refusal_after_a_passing_handshake_is_a_finding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = load("gqa_ssm_2p4d_pull.json")
+    s["decode"]["logical_block_size"] = s["decode"]["kernel_block_size"] = 32
+    status, out, _ = run(capsys, write(tmp_path, s))
+    assert status == 1
+    assert "peer_plan: local decode rank 3, remote prefill ranks [1]" in out
+    status, out, _ = run(capsys, write(tmp_path, s), "--json")
+    detail = json.loads(out)["pairs"][0]["findings"][0]["detail"]
+    assert "not supported" in detail and "local 32 / remote 16" in detail
+
+
+def test_an_unplannable_request_names_both_lengths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = load("hybrid_mla_f2.json")
+    s["requests"][0]["decode"][1] = [0, 2, 3]
+    status, out, _ = run(capsys, write(tmp_path, s))
+    assert status == 1
+    assert "plan_request: local 3 states, remote 1 states" in out and "request req-0" in out
+
+
+def test_push_example_fails_the_handshake_block_size_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    # The planner plans it (`hybrid-kv plan`), but the handshake splits the remote only for hybrid MLA pulls.
+    status, out, _ = run(capsys, str(SCENARIOS / "kimi_tiny_8p2d_push.json"))
+    assert status == 1
+    assert out.count("block_size_ratio: local kernel block 8, remote kernel block 16") == 8
+
+
+def test_json_report_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, str(SCENARIOS / "hybrid_mla_f2.json"), "--json")
+    assert status == 0
+    rep = json.loads(out)
+    assert set(rep) == {"name", "mode", "local_side", "tp", "pairs", "summary"}
+    assert rep["pairs"] == [
+        {
+            "prefill_rank": 0,
+            "decode_rank": 0,
+            "local_rank": 0,
+            "remote_rank": 0,
+            "verdict": "compatible",
+            "findings": [],
+        }
+    ]
+    assert rep["summary"]["plans"] == 1 and rep["summary"]["bytes"] > 0
+
+
+def test_scenario_from_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO((SCENARIOS / "hybrid_mla_f2.json").read_text()))
+    status, out, _ = run(capsys, "-")
+    assert status == 0 and "COMPATIBLE" in out
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda s: s.update(modes="pull"), "unknown field `modes`"),
+        (lambda s: s.update(prefill=3), "invalid type"),
+        (lambda s: s["prefill"].update(tp_size=3), "must all divide by prefill TP 3"),
+    ],
+)
+def test_malformed_scenarios_are_one_line_errors(
+    edit: Any, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = copy.deepcopy(load("hybrid_mla_f2.json"))
+    edit(s)
+    status, out, err = run(capsys, write(tmp_path, s))
+    assert status == 2 and out == ""
+    assert err.startswith("hybrid-kv check: error:") and err.count("\n") == 1 and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_not_json_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    status, _, err = run(capsys, str(path))
+    assert status == 2 and err.count("\n") == 1 and "scenario JSON" in err and "Traceback" not in err
