@@ -176,8 +176,10 @@ impl PyPeerPlan {
     ///     local_ids (list[list[int]]): this rank's logical block ids, one list per KV-cache group.
     ///     remote_ids (list[list[int]]): the peer's logical block ids, one list per group.
     /// Raises:
-    ///     PlanError: wrong group count, an id outside its pool, or lists that cannot be paired.
-    fn plan(&self, py: Python<'_>, local_ids: Vec<Vec<u64>>, remote_ids: Vec<Vec<u64>>) -> PyResult<PyPlan> {
+    ///     PlanError: wrong group count, an id outside its pool (negative ids too), or lists that cannot be
+    ///         paired.
+    fn plan(&self, py: Python<'_>, local_ids: Vec<Vec<i64>>, remote_ids: Vec<Vec<i64>>) -> PyResult<PyPlan> {
+        let (local_ids, remote_ids) = (block_ids(local_ids, "local")?, block_ids(remote_ids, "remote")?);
         let peer = Arc::clone(&self.inner);
         let plan = py
             .detach(move || peer.plan(&local_ids, &remote_ids))
@@ -339,6 +341,25 @@ pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool) -> PyResu
         serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
     });
     out.map_err(|e| PyCoreError::from(e).into())
+}
+
+/// Logical block ids from Python ints: a negative id is a `PlanError` naming it (not an `OverflowError`).
+fn block_ids(ids: Vec<Vec<i64>>, side: &str) -> PyResult<Vec<Vec<u64>>> {
+    ids.into_iter()
+        .enumerate()
+        .map(|(g, group)| {
+            group
+                .into_iter()
+                .map(|b| {
+                    u64::try_from(b).map_err(|_| {
+                        PlanError::new_err(format!(
+                            "{side} block id {b} of group {g} is out of range: block ids are non-negative"
+                        ))
+                    })
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The remote ranks a local rank handshakes and exchanges data with (reference C.2): the one remote rank
