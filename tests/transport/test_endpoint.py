@@ -178,9 +178,9 @@ def test_close_is_idempotent_and_blocks_further_use() -> None:
 
 def test_expanded_nx3_fallback_moves_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where NIXL lacks the Nx5 form, strided tables are expanded to Nx3 with numpy."""
-    import hybrid_kv.transport.endpoint as endpoint_mod
+    import hybrid_kv.transport.agent as agent_mod
 
-    monkeypatch.setattr(endpoint_mod, "_strided_ok", False)
+    monkeypatch.setattr(agent_mod, "_strided_ok", False)
     src, dst = pattern(11), pattern(12)
     before = dst.copy()
     with (

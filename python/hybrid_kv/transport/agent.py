@@ -1,0 +1,169 @@
+"""``Agent``: one endpoint's NIXL agent and the handles it owns.
+
+It holds the registration, the local tables and their prepped dlists, and the xfer handles NIXL
+refused to release yet ("zombies", retried on every progress). It also wraps the NIXL calls whose
+failure is harmless during cleanup. Every method runs on the endpoint's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from nixl._api import nixl_agent, nixl_agent_config
+
+from .tables import DescTable, expand_strided, registration_array
+
+__all__ = ["CALL_ERRORS", "DISCONNECT", "LOCAL", "NIXL_ERRORS", "Agent"]
+
+LOCAL = "NIXL_INIT_AGENT"  # the agent name NIXL uses for this agent's own dlists
+
+
+def _nixl_errors() -> tuple[type[BaseException], ...]:
+    """Every exception type the NIXL bindings raise (they share no base class)."""
+    import nixl._bindings as bindings
+
+    found = [
+        obj
+        for name in dir(bindings)
+        if name.startswith("nixl") and isinstance(obj := getattr(bindings, name), type) and issubclass(obj, Exception)
+    ]
+    return tuple(found)
+
+
+NIXL_ERRORS = _nixl_errors()
+# NIXL also reports bad arguments through ValueError / TypeError / KeyError / IndexError
+CALL_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, ValueError, TypeError, KeyError, IndexError)
+DISCONNECT = tuple(t for t in NIXL_ERRORS if t.__name__ == "nixlRemoteDisconnectError")
+
+_strided_ok: bool | None = None  # whether this NIXL accepts (N, 5) tables; detected once per process
+
+
+def quiet(fn: Callable[[], object]) -> None:
+    """Call ``fn``, ignoring NIXL errors (for cleanup, where nothing better can be done)."""
+    try:
+        fn()
+    except CALL_ERRORS:
+        pass
+
+
+class Agent:
+    """A NIXL agent without a progress thread, plus its registered memory and prepped local tables.
+
+    Args:
+        name: the NIXL agent name.
+        mem_type: NIXL memory type of the registration and of every prepped table.
+
+    Attributes:
+        nixl: the underlying ``nixl_agent`` (for posting, checking and notifications).
+        tables: the local descriptor tables by key.
+        local: their prepped dlists by key.
+        zombies: xfer handles NIXL refused to release (still in progress); retried by ``reap_zombies``.
+        metadata: this agent's NIXL metadata, served to peers by the side channel.
+    """
+
+    def __init__(self, name: str, mem_type: str) -> None:
+        self.mem_type = mem_type
+        self.nixl: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.tables: dict[str, DescTable] = {}
+        self.local: dict[str, Any] = {}
+        self.zombies: list[Any] = []
+        self.metadata = b""
+        self._reg: Any = None
+        self._reg_rows = np.zeros((0, 3), dtype=np.uint64)
+
+    def open(
+        self,
+        registration: npt.ArrayLike,
+        local_tables: Mapping[str, npt.ArrayLike],
+        backend: str,
+        ucx_error_handling_mode: str,
+    ) -> None:
+        """Create the backend, register ``registration`` once and prep every local table once."""
+        params = {"ucx_error_handling_mode": ucx_error_handling_mode} if backend == "UCX" else {}
+        self.nixl.create_backend(backend, params)
+        self._reg_rows = registration_array(registration)
+        self._reg = self.nixl.register_memory(self._reg_rows, self.mem_type)
+        self.tables = {key: DescTable(key, np.asarray(rows)) for key, rows in local_tables.items()}
+        for key, table in self.tables.items():
+            self.local[key] = self.prep(LOCAL, table)
+        self.metadata = self.nixl.get_agent_metadata()
+
+    @property
+    def registered(self) -> bool:
+        """Whether memory is still registered (until ``close()``)."""
+        return self._reg is not None
+
+    def close(self) -> None:
+        """Release the local dlists, deregister memory and forget the zombies (idempotent).
+
+        NIXL frees the zombie handles itself when the agent is destroyed.
+        """
+        self.release_dlists(self.local)
+        if self._reg is not None:
+            reg = self._reg
+            quiet(lambda: self.nixl.deregister_memory(reg))
+            self._reg = None
+        self.zombies.clear()
+
+    # ------------------------------------------------------------------ dlists and remote agents
+
+    def prep(self, agent_name: str, table: DescTable) -> Any:
+        """Prep ``table`` against ``agent_name`` (``LOCAL`` for our own), expanding ``(N, 5)`` rows if needed."""
+        rows = table.rows if (table.strided and self._strided_supported()) else expand_strided(table.rows)
+        return self.nixl.prep_xfer_dlist(agent_name, rows, self.mem_type)
+
+    def release_dlists(self, dlists: MutableMapping[str, Any]) -> None:
+        """Release every prepped dlist in ``dlists`` and empty it."""
+        for dlist in dlists.values():
+            quiet(dlist.release)
+        dlists.clear()
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's NIXL metadata; returns its agent name."""
+        name = self.nixl.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, agent_name: str) -> None:
+        """Forget a peer's agent (errors ignored)."""
+        quiet(lambda: self.nixl.remove_remote_agent(agent_name))
+
+    def send_notif_quietly(self, agent_name: str, msg: bytes) -> None:
+        """Best-effort notification to ``agent_name`` (errors ignored)."""
+        quiet(lambda: self.nixl.send_notif(agent_name, msg))
+
+    # ------------------------------------------------------------------ xfer handles
+
+    def release_xfer(self, xfer: Any) -> None:
+        """Release an xfer handle; one NIXL refuses (still in progress) becomes a zombie."""
+        self.zombies.extend(self._release_all([xfer]))
+
+    def reap_zombies(self) -> None:
+        """Retry releasing every zombie handle."""
+        self.zombies = self._release_all(self.zombies)
+
+    def _release_all(self, xfers: list[Any]) -> list[Any]:
+        alive = []
+        for xfer in xfers:
+            try:
+                self.nixl.release_xfer_handle(xfer)
+            except CALL_ERRORS:
+                alive.append(xfer)
+        return alive
+
+    def _strided_supported(self) -> bool:
+        """Detect once whether ``prep_xfer_dlist`` takes ``(N, 5)`` strided rows (nixl >= 1.5)."""
+        global _strided_ok
+        if _strided_ok is None:
+            addr, _, dev = (int(v) for v in self._reg_rows[0])
+            probe = np.array([[addr, 1, dev, 1, 1]], dtype=np.uint64)
+            try:
+                self.nixl.prep_xfer_dlist(LOCAL, probe, self.mem_type).release()
+                _strided_ok = True
+            except (ValueError, TypeError):
+                _strided_ok = False
+            except NIXL_ERRORS:
+                _strided_ok = True  # the form was parsed; only the probe address was unknown
+        return _strided_ok

@@ -1,0 +1,306 @@
+"""``InFlight``: an endpoint's live requests, from checking and posting to completion or failure.
+
+Active requests (``post``) carry one NIXL xfer handle per transfer; each handle is released as soon
+as its transfer is DONE or the request fails. Passive requests (``expect``) complete once enough
+senders' done-notices arrived (see ``inbox``). What happens is collected in ``events`` until the
+endpoint's next ``poll()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import notifications
+from .agent import CALL_ERRORS, DISCONNECT, Agent
+from .errors import TransferError
+from .peers import Peer, Peers
+from .requests import Op, PeerKey, PollResult, RequestHandle, RequestState, Transfer
+from .tables import DescTable, check_ids
+
+__all__ = ["InFlight"]
+
+
+class InFlight:
+    """The requests of one endpoint that are queued, posted or awaited, by request id.
+
+    Args:
+        agent: the endpoint's NIXL agent (local tables, xfer handles, notifications).
+        peers: the endpoint's peers (their state, tables and dlists).
+    """
+
+    def __init__(self, agent: Agent, peers: Peers) -> None:
+        self._agent = agent
+        self._peers = peers
+        self._by_id: dict[str, RequestHandle] = {}
+        self.events = PollResult()
+
+    def take_events(self) -> PollResult:
+        """What happened since the previous call."""
+        events, self.events = self.events, PollResult()
+        return events
+
+    def xfer_count(self) -> int:
+        """Live xfer handles held by requests."""
+        return sum(x is not None for r in self._by_id.values() for x in r._xfers)
+
+    # ------------------------------------------------------------------ new requests
+
+    def ensure_new(self, request_id: str) -> None:
+        """Raise ``TransferError`` if ``request_id`` is already in flight."""
+        if request_id in self._by_id:
+            raise TransferError(f"request id {request_id!r} is already in flight", request_id=request_id)
+
+    def post(
+        self, request_id: str, transfers: Iterable[Transfer | tuple[Any, ...]], op: Op, deadline_s: float
+    ) -> RequestHandle:
+        """Check and post an active request (see ``Endpoint.post``); its deadline starts once checked."""
+        if op not in ("READ", "WRITE"):
+            raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}", request_id=request_id)
+        self.ensure_new(request_id)
+        checked = tuple(self._check_transfer(request_id, Transfer(*t)) for t in transfers)
+        if not checked:
+            raise TransferError(f"request {request_id!r} has no transfers", request_id=request_id)
+        req = RequestHandle(request_id, op, checked, time.monotonic() + deadline_s)
+        self._by_id[request_id] = req
+        if all(self._peers[t.peer].state == "ready" for t in checked):
+            self._start(req)
+        return req
+
+    def expect(self, request_id: str, deadline_s: float, senders: int, seen: set[str]) -> RequestHandle:
+        """Await a passive request from ``senders`` peers, ``seen`` of which already landed everything."""
+        req = RequestHandle(request_id, None, (), time.monotonic() + deadline_s, RequestState.POSTED, _senders=senders)
+        req._seen = seen
+        self._by_id[request_id] = req
+        self._complete_if_all_senders(req)
+        return req
+
+    # ------------------------------------------------------------------ progress
+
+    def progress(self) -> None:
+        """Check every posted transfer, then fail the requests whose deadline passed."""
+        for req in list(self._by_id.values()):
+            if req.state is RequestState.POSTED and req.op is not None:
+                self._check(req)
+        now = time.monotonic()
+        for req in list(self._by_id.values()):
+            if not req.finished and now > req.deadline:
+                self.fail(req, self._deadline_reason(req))
+
+    def start_queued(self, peer: PeerKey) -> None:
+        """Start the requests that were waiting for ``peer``'s handshake (and now wait for no other)."""
+        for req in self._live_for(peer):
+            if req.state is RequestState.QUEUED:
+                self._start_if_ready(req)
+
+    def passive_landed(self, request_id: str, sender: str) -> bool:
+        """``sender`` landed all its transfers for ``request_id``; whether a passive request took it."""
+        req = self._by_id.get(request_id)
+        if req is None or req.op is not None or req.finished:
+            return False
+        req._seen.add(sender)
+        self._complete_if_all_senders(req)
+        return True
+
+    def passive_failed(self, request_id: str, sender: str, reason: str) -> None:
+        """``sender`` reported ``request_id`` failed: fail the passive request awaiting it, if any."""
+        req = self._by_id.get(request_id)
+        if req is not None and req.op is None and not req.finished:
+            self.fail(req, f"peer {sender!r} failed: {reason}", notify=False)
+
+    # ------------------------------------------------------------------ failure
+
+    def fail_peer(self, peer: PeerKey, reason: str, notify: bool = True) -> None:
+        """Fail every live request that moves data with ``peer``."""
+        for req in self._live_for(peer):
+            self.fail(req, reason, notify=notify)
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every live request and forget them all (the endpoint is closing)."""
+        for req in list(self._by_id.values()):
+            if not req.finished:
+                self.fail(req, reason)
+        self._by_id.clear()
+
+    def fail(self, req: RequestHandle, reason: str, notify: bool = True) -> None:
+        """Fail ``req``: release its handles, report it, and (``notify``) tell its ready peers."""
+        if req.finished:
+            return
+        failed = [t for i, t in enumerate(req.transfers) if not (i < len(req._done) and req._done[i])]
+        for i in range(len(req._xfers)):
+            self._release(req, i)
+        req.state = RequestState.FAILED
+        req.error = TransferError(
+            f"request {req.request_id!r} failed: {reason}", request_id=req.request_id, failed=failed
+        )
+        self._by_id.pop(req.request_id, None)
+        self.events.failed.append(req.error)
+        if notify and req.op is not None:
+            msg = notifications.fail_message(req.request_id, reason.replace("\n", " "))
+            for key in req.peers:
+                peer = self._peers.get(key)
+                if peer is not None and peer.state == "ready" and peer.agent_name is not None:
+                    self._agent.send_notif_quietly(peer.agent_name, msg)
+
+    # ------------------------------------------------------------------ checks before posting
+
+    def _check_transfer(self, rid: str, t: Transfer) -> Transfer:
+        local = self._agent.tables.get(t.local_key)
+        if local is None:
+            known = sorted(self._agent.tables)
+            raise TransferError(f"unknown local table {t.local_key!r}; known: {known}", request_id=rid)
+        peer = self._peers.get(t.peer)
+        if peer is None:
+            raise TransferError(f"peer {t.peer!r} is not connected", request_id=rid)
+        if peer.state == "down":
+            raise TransferError(f"peer {t.peer!r} is down: {peer.reason}", request_id=rid)
+        try:
+            local_ids = check_ids(t.local_ids, local, "local")
+            remote_ids = np.asarray(t.remote_ids)  # checked once the peer's tables are known
+            if peer.state == "ready":
+                remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, local_ids)
+        except TransferError as exc:
+            raise TransferError(f"request {rid!r}: {exc}", request_id=rid) from None
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise TransferError(f"request {rid!r}: bad descriptor ids: {exc}", request_id=rid) from exc
+        return Transfer(t.peer, t.local_key, t.remote_key, local_ids, remote_ids)
+
+    @staticmethod
+    def _check_remote(
+        peer: Peer, key: str, ids: npt.ArrayLike, local: DescTable, local_ids: npt.NDArray[np.int32]
+    ) -> npt.NDArray[np.int32]:
+        remote = peer.tables.get(key)
+        if remote is None:
+            raise TransferError(f"unknown remote table {key!r} of peer {peer.key!r}; known: {sorted(peer.tables)}")
+        remote_ids = check_ids(ids, remote, "remote")
+        if remote_ids.size != local_ids.size:
+            raise TransferError(f"{local_ids.size} local ids but {remote_ids.size} remote ids")
+        mismatch = local.lengths(local_ids) != remote.lengths(remote_ids)
+        if np.any(mismatch):
+            k = int(np.argmax(mismatch))
+            raise TransferError(
+                f"descriptor length mismatch at pair {k}: local {local.key!r}[{local_ids[k]}] is "
+                f"{local.lengths(local_ids[k : k + 1])[0]} B, remote {key!r}[{remote_ids[k]}] is "
+                f"{remote.lengths(remote_ids[k : k + 1])[0]} B"
+            )
+        return remote_ids
+
+    # ------------------------------------------------------------------ posting and checking
+
+    def _start_if_ready(self, req: RequestHandle) -> None:
+        if any(self._peers[t.peer].state != "ready" for t in req.transfers):
+            return
+        try:  # remote ids could not be checked while the handshake was pending
+            checked = []
+            for t in req.transfers:
+                local = self._agent.tables[t.local_key]
+                remote_ids = self._check_remote(self._peers[t.peer], t.remote_key, t.remote_ids, local, t.local_ids)
+                checked.append(t._replace(remote_ids=remote_ids))
+        except TransferError as exc:
+            self.fail(req, str(exc), notify=False)
+            return
+        req.transfers = tuple(checked)
+        self._start(req)
+
+    def _start(self, req: RequestHandle) -> None:
+        per_peer = collections.Counter(t.peer for t in req.transfers)
+        index: collections.Counter[PeerKey] = collections.Counter()
+        req._xfers = [None] * len(req.transfers)
+        req._done = [False] * len(req.transfers)
+        req.state = RequestState.POSTED
+        assert req.op is not None
+        for i, t in enumerate(req.transfers):  # make every handle before posting any
+            msg = notifications.done_message(req.request_id, index[t.peer], per_peer[t.peer])
+            index[t.peer] += 1
+            try:
+                req._xfers[i] = self._agent.nixl.make_prepped_xfer(
+                    req.op,
+                    self._agent.local[t.local_key],
+                    t.local_ids,
+                    self._peers[t.peer].dlists[t.remote_key],
+                    t.remote_ids,
+                    notif_msg=msg,
+                )
+            except CALL_ERRORS as exc:
+                self._on_nixl_error(req, t.peer, exc)
+                return
+        for i, xfer in enumerate(req._xfers):
+            try:
+                status = self._agent.nixl.transfer(xfer)
+            except CALL_ERRORS as exc:
+                self._on_nixl_error(req, req.transfers[i].peer, exc)
+                return
+            if not self._settle(req, i, status, posting=True):
+                return
+        self._finish_if_done(req)
+
+    def _check(self, req: RequestHandle) -> None:
+        for i, xfer in enumerate(req._xfers):
+            if req._done[i] or xfer is None:
+                continue
+            try:
+                status = self._agent.nixl.check_xfer_state(xfer)
+            except CALL_ERRORS as exc:
+                self._on_nixl_error(req, req.transfers[i].peer, exc)
+                return
+            if not self._settle(req, i, status, posting=False):
+                return
+        self._finish_if_done(req)
+
+    def _settle(self, req: RequestHandle, i: int, status: str, *, posting: bool) -> bool:
+        """Apply transfer ``i``'s NIXL status (from posting it or checking it); ``False`` once ``req`` failed."""
+        if status == "ERR":
+            peer = req.transfers[i].peer
+            if posting:
+                self.fail(req, f"posting transfer {i} to peer {peer!r} returned ERR")
+            else:
+                self.fail(req, f"transfer {i} to peer {peer!r} reported ERR")
+            return False
+        if status == "DONE":
+            req._done[i] = True
+            self._release(req, i)
+        return True
+
+    def _release(self, req: RequestHandle, i: int) -> None:
+        xfer = req._xfers[i]
+        if xfer is not None:
+            req._xfers[i] = None
+            self._agent.release_xfer(xfer)
+
+    def _on_nixl_error(self, req: RequestHandle, peer_key: PeerKey, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}".strip()
+        if DISCONNECT and isinstance(exc, DISCONNECT):  # fails every request with that peer, req included
+            self._peers.mark_down(self._peers[peer_key], f"peer {peer_key!r} disconnected ({reason})")
+            return
+        self.fail(req, f"NIXL error with peer {peer_key!r}: {reason}")
+
+    # ------------------------------------------------------------------ completion
+
+    def _finish_if_done(self, req: RequestHandle) -> None:
+        if all(req._done):
+            self._complete(req)
+
+    def _complete_if_all_senders(self, req: RequestHandle) -> None:
+        if len(req._seen) >= req._senders:
+            self._complete(req)
+
+    def _complete(self, req: RequestHandle) -> None:
+        req.state = RequestState.DONE
+        del self._by_id[req.request_id]
+        self.events.done.append(req.request_id)
+
+    def _live_for(self, key: PeerKey) -> list[RequestHandle]:
+        return [r for r in self._by_id.values() if not r.finished and key in r.peers]
+
+    @staticmethod
+    def _deadline_reason(req: RequestHandle) -> str:
+        if req.op is None:
+            return f"deadline exceeded: {len(req._seen)} of {req._senders} senders completed"
+        if req.state is RequestState.QUEUED:
+            return "deadline exceeded while waiting for a handshake"
+        return f"deadline exceeded with {sum(req._done)} of {len(req.transfers)} transfers done"
