@@ -157,6 +157,44 @@ def test_expect_deadline_and_remote_failure(pair: tuple[Endpoint, Endpoint, np.n
     assert h.state is RequestState.FAILED and "0 of 1 senders" in str(ev.failed[0])
 
 
+@pytest.mark.parametrize("how", ["handshake_rejected", "disconnected", "reconnected"])
+def test_partial_done_notices_of_a_lost_peer_are_dropped(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Done-notices that will never be completed (their sender went down or was dropped) are forgotten."""
+    from hybrid_kv.transport import notifications
+    from hybrid_kv.transport.agent import DISCONNECT
+
+    p, d, _, _ = pair
+    p.connect(0, d.address, lambda payload: {}, timeout_s=2.0)  # so that P's agent can notify D
+    if how != "handshake_rejected":
+        d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    p._agent.nixl.send_notif("D", notifications.done_message("push-1", 0, 2))  # 1 of 2 transfers landed
+    pump(d, lambda e: bool(d._inbox.partial()), 2.0, others=[p])
+    assert d._inbox.partial() == {("P", "push-1")}
+
+    if how == "handshake_rejected":  # P's agent is loaded, then its tables are refused
+        with pytest.raises(HandshakeError, match="planner said no"):
+            d.connect(0, p.address, _raise_runtime, timeout_s=2.0)
+    elif how == "disconnected":  # NIXL reports P gone: marked down, its agent stays loaded
+        monkeypatch.setattr(d._agent.nixl, "transfer", lambda xfer: _raise(DISCONNECT[0]("peer gone")))
+        d.post("r", [(0, "whole", "whole", ids(0), ids(0))], "READ", 1.0)
+        assert d.peer_state(0)[0] == "down" and d.remote_agent(0) == "P"
+    else:  # a new connection under the same key replaces (drops) the old one
+        d.begin_connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    assert d._inbox.partial() == set()
+
+    # notices that arrive afterwards are handled as before
+    for i in range(2):
+        p._agent.nixl.send_notif("D", notifications.done_message("push-2", i, 2))
+    ev = pump(d, lambda e: e.remote_done, 2.0, others=[p])
+    assert [(e.sender, e.request_id) for e in ev.remote_done] == [("P", "push-2")] and not d._inbox.partial()
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 def test_control_messages_reach_poll(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
     p, d, _, _ = pair
     d.send_control(p.address, b"register r1 blocks 1,2")

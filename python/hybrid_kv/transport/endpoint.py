@@ -81,6 +81,7 @@ class Endpoint:
             self._stop,
             on_ready=self._on_peer_ready,
             on_down=self._on_peer_down,
+            on_drop=self._on_peer_dropped,
         )
         self._requests = InFlight(self._agent, self._peers)
         self._inbox = Inbox(self._agent, self._requests)
@@ -270,6 +271,11 @@ class Endpoint:
 
     def _on_peer_down(self, peer: Peer) -> None:
         self._requests.fail_peer(peer.key, peer.reason, notify=False)
+        if peer.agent_name is not None:
+            self._inbox.forget(peer.agent_name)
+
+    def _on_peer_dropped(self, agent_name: str) -> None:
+        self._inbox.forget(agent_name)
 
     def _serve_meta(self, rank: int) -> tuple[bytes, bytes]:
         payload = self._provider(rank) if self._provider is not None else b""

@@ -2,8 +2,9 @@
 
 Each transfer a peer posts to us carries one done-notice (see ``notifications``); a peer's request
 has landed once all its notices arrived. Until then the indices seen are kept per ``(sender,
-request_id)``. Completed requests nobody awaits yet are remembered (up to ``LANDED_MEMORY``) for a
-later ``expect()``.
+request_id)``; ``forget()`` drops a sender's partial sets when that peer goes down or is dropped,
+since the missing notices will never come. Completed requests nobody awaits yet are remembered (up
+to ``LANDED_MEMORY``) for a later ``expect()``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class Inbox:
     def take_landed(self, request_id: str) -> set[str]:
         """The senders that already landed everything for ``request_id``, forgotten here."""
         return self._landed.pop(request_id, set())
+
+    def forget(self, sender: str) -> None:
+        """Drop the partially received done-notices of agent ``sender`` (it went down or was dropped)."""
+        for key in [k for k in self._parts if k[0] == sender]:
+            del self._parts[key]
+
+    def partial(self) -> set[tuple[str, str]]:
+        """The ``(sender, request_id)`` pairs with some but not all done-notices received."""
+        return set(self._parts)
 
     def _on_part(self, sender: str, notice: notifications.Notice) -> None:
         key = (sender, notice.request_id)

@@ -68,6 +68,7 @@ class Peers:
         stop: set when the endpoint closes; cancels handshakes in flight.
         on_ready: called once a peer's handshake succeeded.
         on_down: called when a peer goes down, before its remote agent is removed.
+        on_drop: called with a peer's agent name just before that agent is removed.
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class Peers:
         *,
         on_ready: Callable[[Peer], None],
         on_down: Callable[[Peer], None],
+        on_drop: Callable[[str], None],
     ) -> None:
         self._agent = agent
         self._ctx = ctx
@@ -86,6 +88,7 @@ class Peers:
         self._stop = stop
         self._on_ready = on_ready
         self._on_down = on_down
+        self._on_drop = on_drop
         self._by_key: dict[PeerKey, Peer] = {}
 
     def get(self, key: PeerKey) -> Peer | None:
@@ -133,6 +136,7 @@ class Peers:
         """Release the peer's prepped dlists and remove its remote agent."""
         self._agent.release_dlists(peer.dlists)
         if peer.agent_name is not None:
+            self._on_drop(peer.agent_name)
             self._agent.remove_remote(peer.agent_name)
             peer.agent_name = None
 
