@@ -54,7 +54,10 @@ def hybrid_mla_mismatch() -> dict[str, Any]:
     return s
 
 
-@pytest.mark.parametrize(("name", "pairs"), [("gqa_ssm_2p4d_pull.json", 4), ("hybrid_mla_f2.json", 1)])
+@pytest.mark.parametrize(
+    ("name", "pairs"),
+    [("gqa_ssm_2p4d_pull.json", 4), ("hybrid_mla_f2.json", 1), ("kimi_tiny_8p2d_push.json", 8)],
+)
 def test_compatible_examples_exit_0_with_a_row_per_pair(
     name: str, pairs: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -107,17 +110,19 @@ def test_every_finding_of_a_pair_is_listed_with_both_values(tmp_path: Path, caps
     assert rep["summary"] | {"compatible": False, "incompatible_pairs": 2} == rep["summary"]
 
 
-def test_a_planner_refusal_after_a_passing_handshake_is_a_finding(
+def test_heads_major_pages_with_different_kernel_blocks_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     s = load("gqa_ssm_2p4d_pull.json")
     s["decode"]["logical_block_size"] = s["decode"]["kernel_block_size"] = 32
     status, out, _ = run(capsys, write(tmp_path, s))
     assert status == 1
-    assert "peer_plan: local decode rank 3, remote prefill ranks [1]" in out
+    assert out.count("block_size_ratio: local kernel block 32") == 4
     status, out, _ = run(capsys, write(tmp_path, s), "--json")
-    detail = json.loads(out)["pairs"][0]["findings"][0]["detail"]
-    assert "not supported" in detail and "local 32 / remote 16" in detail
+    finding = json.loads(out)["pairs"][0]["findings"][0]
+    assert finding["local"] == "kernel block 32, 1 KV heads per rank"
+    assert finding["remote"] == "kernel block 16, 2 KV heads per rank"
+    assert "layout conversion" in finding["detail"]
 
 
 def test_an_unplannable_request_names_both_lengths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,13 +131,6 @@ def test_an_unplannable_request_names_both_lengths(tmp_path: Path, capsys: pytes
     status, out, _ = run(capsys, write(tmp_path, s))
     assert status == 1
     assert "plan_request: local 3 states, remote 1 states" in out and "request req-0" in out
-
-
-def test_push_example_fails_the_handshake_block_size_rule(capsys: pytest.CaptureFixture[str]) -> None:
-    # The planner plans it (`hybrid-kv plan`), but the handshake splits the remote only for hybrid MLA pulls.
-    status, out, _ = run(capsys, str(SCENARIOS / "kimi_tiny_8p2d_push.json"))
-    assert status == 1
-    assert out.count("block_size_ratio: local kernel block 8, remote kernel block 16") == 8
 
 
 def test_json_report_parses(capsys: pytest.CaptureFixture[str]) -> None:

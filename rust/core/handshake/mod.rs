@@ -11,7 +11,6 @@ mod error;
 mod fingerprint;
 mod pairs;
 mod scan;
-mod split;
 mod validate;
 mod wellformed;
 
@@ -25,6 +24,5 @@ pub use error::{Finding, HandshakeError};
 pub use fingerprint::{compat_hash, fingerprint, GeometryKey, ModelFactors, Ratio};
 pub use pairs::{check_pairs, PairVerdict};
 pub use scan::{prescan, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
-pub use split::{remote_block_split, MAX_SPLIT};
 pub use validate::{findings, validate, validate_expected, Expected, HEAD_CONTIGUOUS_LAYOUTS};
 pub use wellformed::check_well_formed;

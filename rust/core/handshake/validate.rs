@@ -1,17 +1,22 @@
 //! `validate(local, remote)`: every applicable check of reference E.3, all run, all reported at once.
 //!
-//! Directions follow the reference: `tp_ratio` and `block_size_ratio` are from the local side's view (in
-//! pull mode local is decode, in push mode prefill). Checks that are about prefill versus decode (GQA head
-//! replication) resolve the roles from the transfer mode. Every finding names the check and both values.
+//! Directions follow the reference: `tp_ratio` is from the local side's view (in pull mode local is decode,
+//! in push mode prefill). Checks that are about prefill versus decode (GQA head replication) resolve the
+//! roles from the transfer mode. Every finding names the check and both values.
+//!
+//! Kernel block sizes follow the planner, not vLLM: both sides are cut into their common token unit
+//! ([`BlockUnits`]) in pull and in push, so a pair is accepted exactly when the planner can address it
+//! (vLLM accepts a larger local block, and a hybrid MLA pull after its C.6 remote split, and converts
+//! heads-major pages after the transfer; hybrid-kv moves bytes only, so it refuses what needs a conversion).
 
 use super::error::{Finding, HandshakeError};
 use super::fingerprint::{fingerprint, GeometryKey};
-use super::split::remote_block_split;
 use super::wellformed::check_well_formed;
 use crate::core::meta::{AgentMeta, TransferMode};
-use crate::core::ratio::{block_size_ratio, tp_ratio};
+use crate::core::ratio::tp_ratio;
 use crate::core::region::GroupKind;
 use crate::core::tp::handshake_target_ranks;
+use crate::core::units::BlockUnits;
 
 /// Layouts whose last three physical dims are heads, tokens, channels: a head range is contiguous.
 pub const HEAD_CONTIGUOUS_LAYOUTS: [&str; 3] = ["HND", "LBHNC", "BLHNC"];
@@ -68,36 +73,31 @@ pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> V
     let ratio = tp(local, remote, expected, &mut add);
     regions(local, remote, &mut add);
 
-    // Hybrid MLA pulls view the remote in the common block unit first (C.6).
-    let split = remote_block_split(local, remote);
-    let remote_eff = split.as_ref().unwrap_or(remote);
-    let bsr = match block_size_ratio(local.kernel_block_size, remote_eff.kernel_block_size) {
-        Ok(b) => Some(b),
-        Err(msg) => {
-            add(
-                "block_size_ratio",
-                format!("kernel block {}", local.kernel_block_size),
-                format!("kernel block {}", remote.kernel_block_size),
-                format!("{msg}; only a remote block dividing the local one is addressable"),
-            );
-            None
-        }
-    };
+    let units = block_units(local, remote, &mut add);
     heads(local, remote, ratio, &mut add);
-    if has_ssm(local) && local.ppl != remote_eff.ppl && (local.prefix_caching || remote.prefix_caching) {
+    if has_ssm(local)
+        && local.logical_block_size != remote.logical_block_size
+        && (local.prefix_caching || remote.prefix_caching)
+    {
         add(
             "prefix_caching_hetero_ppl",
-            format!("ppl {}, prefix caching {}", local.ppl, local.prefix_caching),
-            format!("ppl {}, prefix caching {}", remote_eff.ppl, remote.prefix_caching),
-            "SSM hybrids cannot trim prefix hits when kernel blocks per logical block differ".into(),
+            format!(
+                "logical block {} tokens, prefix caching {}",
+                local.logical_block_size, local.prefix_caching
+            ),
+            format!(
+                "logical block {} tokens, prefix caching {}",
+                remote.logical_block_size, remote.prefix_caching
+            ),
+            "SSM hybrids cannot trim prefix hits when logical blocks hold different numbers of tokens".into(),
         );
     }
     let same_count = local.regions.len() == remote.regions.len();
-    if let (Some(bsr), true) = (bsr, same_count) {
+    if let (Some(units), true) = (units, same_count) {
         if has_ssm(local) && local.use_mla {
-            hybrid_mla_block_len(local, remote_eff, bsr, &mut add);
+            hybrid_mla_block_len(local, remote, units, &mut add);
         } else {
-            attention_block_len(local, remote_eff, bsr, ratio, &mut add);
+            attention_block_len(local, remote, units, ratio, &mut add);
         }
     }
     if has_ssm(local) && has_ssm(remote) {
@@ -294,30 +294,73 @@ fn heads(local: &AgentMeta, remote: &AgentMeta, ratio: Option<i64>, add: &mut Ad
     }
 }
 
-/// vLLM PR #49762 (E.3 #12): hybrid MLA+SSM kernel pages must match up to the block-size ratio.
-fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, bsr: u64, add: &mut Add<'_>) {
+/// The common token unit of both kernel block sizes, when the planner can address it: at most
+/// [`MAX_UNITS_PER_BLOCK`](crate::core::units::MAX_UNITS_PER_BLOCK) units per block, and pages that can be cut
+/// by tokens (MLA latents, or one KV head per rank) whenever the sizes differ.
+fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Option<BlockUnits> {
+    let (lk, rk) = (local.kernel_block_size, remote.kernel_block_size);
+    let units = match BlockUnits::new(lk, rk) {
+        Ok(u) => u,
+        Err(e) => {
+            add(
+                "block_size_ratio",
+                format!("kernel block {lk}"),
+                format!("kernel block {rk}"),
+                e.to_string(),
+            );
+            return None;
+        }
+    };
+    let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
+    let heads_major = local.groups.contains(&GroupKind::Attention) && (lh > 1 || rh > 1);
+    if !units.is_identity() && heads_major {
+        add(
+            "block_size_ratio",
+            format!("kernel block {lk}, {lh} KV heads per rank"),
+            format!("kernel block {rk}, {rh} KV heads per rank"),
+            "different kernel block sizes need token-contiguous pages (MLA, or one KV head per rank); \
+             heads-major pages would need a layout conversion after the transfer, which hybrid-kv does not do"
+                .into(),
+        );
+        return None;
+    }
+    Some(units)
+}
+
+/// vLLM PR #49762 (E.3 #12), in common units: hybrid MLA+SSM kernel pages must hold the same bytes per token,
+/// i.e. `local block_len / local units == remote block_len / remote units` for every region.
+fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, add: &mut Add<'_>) {
     let l: Vec<u64> = local.regions.iter().map(|r| r.block_len).collect();
     let r: Vec<u64> = remote.regions.iter().map(|r| r.block_len).collect();
+    let scaled = |b: u64, by: u64| u128::from(b) * u128::from(by);
     if l.iter()
         .zip(&r)
-        .any(|(&l, &r)| u128::from(l) != u128::from(r) * u128::from(bsr))
+        .any(|(&l, &r)| scaled(l, u.remote_sub) != scaled(r, u.local_sub))
     {
         add(
             "hybrid_mla_block_len",
             list(&l),
             list(&r),
-            format!("hybrid MLA+SSM requires local block_len == remote block_len x block_size_ratio {bsr} per region"),
+            format!(
+                "hybrid MLA+SSM requires equal kernel-page bytes per {} tokens: local block_len / {} == remote block_len / {} per region",
+                u.unit_tokens, u.local_sub, u.remote_sub
+            ),
         );
     }
 }
 
-/// E.3 #13: attention regions of models that are not hybrid MLA, REPLICATE versus SPLIT. vLLM skips
-/// SSM hybrids entirely (#14); here only regions that host SSM state are skipped.
-fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, bsr: u64, ratio: Option<i64>, add: &mut Add<'_>) {
+/// E.3 #13 in common units: attention regions of models that are not hybrid MLA, REPLICATE versus SPLIT.
+/// vLLM skips SSM hybrids entirely (#14); here only regions that host SSM state are skipped.
+fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ratio: Option<i64>, add: &mut Add<'_>) {
     let Some(ratio) = ratio else { return };
     let k = local.total_num_kv_heads;
     let remote_replicated = u64::from(remote.tp_size) > k;
     let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
+    // Remote page bytes expected from `bytes` of local page: rescaled from local to remote units.
+    let to_remote = |bytes: u128| {
+        let v = bytes * u128::from(u.remote_sub);
+        (v % u128::from(u.local_sub) == 0).then(|| v / u128::from(u.local_sub))
+    };
     let mut expected = Vec::new();
     let mut bad = false;
     for (i, (l, r)) in local.regions.iter().zip(&remote.regions).enumerate() {
@@ -326,13 +369,13 @@ fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, bsr: u64, ratio: O
             continue;
         }
         let want = if local.use_mla || remote_replicated || l.is_mla {
-            (l.block_len % bsr == 0).then(|| u128::from(l.block_len / bsr))
+            to_remote(u128::from(l.block_len))
         } else {
             let scaled = u128::from(l.block_len) * u128::from(rh) / u128::from(lh);
-            if ratio > 0 {
-                Some(scaled / u128::from(bsr))
+            if ratio > 0 || u.is_identity() {
+                to_remote(scaled)
             } else {
-                (bsr == 1).then_some(scaled)
+                None
             }
         };
         bad |= want != Some(u128::from(r.block_len));
@@ -346,8 +389,10 @@ fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, bsr: u64, ratio: O
             list(&l),
             list(&r),
             format!(
-                "expected remote [{}] for block_size_ratio {bsr}, tp_ratio {ratio}, heads {lh}/{rh} per rank ('-': unsupported)",
-                expected.join(", ")
+                "expected remote [{}] for kernel blocks {}/{} tokens, tp_ratio {ratio}, heads {lh}/{rh} per rank ('-': unsupported)",
+                expected.join(", "),
+                local.kernel_block_size,
+                remote.kernel_block_size
             ),
         );
     }
