@@ -18,22 +18,8 @@ from hybrid_kv._core import (
     meta_fingerprint,
     validate_handshake,
 )
+from hybrid_kv.fixtures import f2_sharers
 from hybrid_kv.layout import build_region_table, layer, rank_layout
-
-MLA = {"type": "mla", "head_size": 6, "dtype_bytes": 2}
-
-
-def kda(tp: int, page: int) -> dict[str, Any]:
-    """The reference KDA spec at TP ``tp`` (conv and temporal state sharded)."""
-    return {
-        "type": "ssm",
-        "kind": "gdn",
-        "conv_shape": [8 // tp, 3],
-        "conv_dtype_bytes": 2,
-        "temporal_shape": [1, 4 // tp, 4],
-        "temporal_dtype_bytes": 4,
-        "page_size_padded": page,
-    }
 
 
 def hybrid_json(tp: int, rank: int, logical: int, n: int, engine: str, **info: Any) -> dict[str, Any]:
@@ -41,7 +27,7 @@ def hybrid_json(tp: int, rank: int, logical: int, n: int, engine: str, **info: A
     page = logical * 12
     layers = []
     for i, base in enumerate([0x1000 + rank * 0x100000, 0x80000 + rank * 0x100000]):
-        for name, group, spec in [("kda_a", 1, kda(tp, page)), ("mla", 0, MLA), ("kda_b", 2, kda(tp, page))]:
+        for name, group, spec in f2_sharers(tp, page):
             layers.append(layer(f"{name}.{i}", group, spec, base=base, nbytes=n * page))
     table = build_region_table(
         rank_layout(

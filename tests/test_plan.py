@@ -12,28 +12,17 @@ from hypothesis import strategies as st
 
 from hybrid_kv import HybridKvError, LayoutError, PlanError, RegionTable
 from hybrid_kv._core import PeerPlan, Plan, RankTransfer
+from hybrid_kv.fixtures import F2_PAGE, f2_geometry, f2_sharers
 from hybrid_kv.layout import build_region_table, layer, rank_layout
-
-PAGE = 144
-MLA = {"type": "mla", "head_size": 6, "dtype_bytes": 2}
-KDA = {
-    "type": "ssm",
-    "kind": "gdn",
-    "conv_shape": [8, 3],
-    "conv_dtype_bytes": 2,
-    "temporal_shape": [1, 4, 4],
-    "temporal_dtype_bytes": 4,
-    "page_size_padded": PAGE,
-}
 
 
 def f2_layout(bases: tuple[int, int], num_blocks: int = 4) -> dict[str, Any]:
     """Reference F.2: two tensors, each shared by kda_a.i, mla.i, kda_b.i; logical 12, kernel 4."""
     layers = []
     for i, base in enumerate(bases):
-        for name, group, spec in (("kda_a", 1, KDA), ("mla", 0, MLA), ("kda_b", 2, KDA)):
-            layers.append(layer(f"{name}.{i}", group, spec, base=base, nbytes=num_blocks * PAGE))
-    return rank_layout(layers, logical_block_size=12, kernel_block_size=4, num_logical_blocks=num_blocks)
+        for name, group, spec in f2_sharers():
+            layers.append(layer(f"{name}.{i}", group, spec, base=base, nbytes=num_blocks * F2_PAGE))
+    return rank_layout(layers, **f2_geometry(num_blocks))
 
 
 def meta_json(table: RegionTable, mode: str = "pull") -> str:
@@ -142,8 +131,8 @@ def test_moves_stay_inside_the_request_blocks(ids: list[int], remote: list[int])
     for i in range(len(plan)):
         for la, _, n in plan.moves(i).tolist():
             base = T1 if la >= T1 else T0
-            block = (la - base) // PAGE
-            assert block in blocks and (la + n - 1 - base) // PAGE == block
+            block = (la - base) // F2_PAGE
+            assert block in blocks and (la + n - 1 - base) // F2_PAGE == block
             span = set(range(la, la + n))
             assert not span & seen
             seen |= span

@@ -12,32 +12,18 @@ from hypothesis import strategies as st
 
 import hybrid_kv
 from hybrid_kv import LayoutError
+from hybrid_kv.fixtures import F2_PAGE, f2_geometry, f2_sharers, kda_spec, mla_spec
 from hybrid_kv.layout import build_region_table, layer, rank_layout
 from hybrid_kv.torch_adapter import region_table_from_tensors
 
-MLA = {"type": "mla", "head_size": 6, "dtype_bytes": 2}
-KDA = {
-    "type": "ssm",
-    "kind": "gdn",
-    "conv_shape": [8, 3],
-    "conv_dtype_bytes": 2,
-    "temporal_shape": [1, 4, 4],
-    "temporal_dtype_bytes": 4,
-    "page_size_padded": 144,
-}
-GEOMETRY = {"logical_block_size": 12, "kernel_block_size": 4, "num_logical_blocks": 4}
+MLA = mla_spec()
+KDA = kda_spec()
+GEOMETRY = f2_geometry()
 
 
 def f2_layers(t0: torch.Tensor, t1: torch.Tensor) -> list:
     """Reference F.2 registration order: KDA first on both tensors."""
-    return [
-        ("kda_a.0", 1, KDA, t0),
-        ("mla.0", 0, MLA, t0),
-        ("kda_b.0", 2, KDA, t0),
-        ("kda_a.1", 1, KDA, t1),
-        ("mla.1", 0, MLA, t1),
-        ("kda_b.1", 2, KDA, t1),
-    ]
+    return [(f"{name}.{i}", group, spec, t) for i, t in enumerate((t0, t1)) for name, group, spec in f2_sharers()]
 
 
 @pytest.fixture
@@ -121,12 +107,12 @@ def test_overlapping_regions_are_rejected() -> None:
 @settings(max_examples=30, deadline=None)
 @given(st.permutations(range(6)), st.integers(min_value=1, max_value=8))
 def test_any_registration_order_gives_the_same_table(order: list[int], num_blocks: int) -> None:
-    bases = [0x10000, 0x10000 + 144 * num_blocks + 64]
+    bases = [0x10000, 0x10000 + F2_PAGE * num_blocks + 64]
     entries = []
     for i, base in enumerate(bases):
-        for name, group, spec in (("kda_a", 1, KDA), ("mla", 0, MLA), ("kda_b", 2, KDA)):
-            entries.append(layer(f"{name}.{i}", group, spec, base=base, nbytes=144 * num_blocks))
-    geometry = dict(GEOMETRY, num_logical_blocks=num_blocks)
+        for name, group, spec in f2_sharers():
+            entries.append(layer(f"{name}.{i}", group, spec, base=base, nbytes=F2_PAGE * num_blocks))
+    geometry = f2_geometry(num_blocks)
     reference = build_region_table(rank_layout(entries, **geometry))
     shuffled = build_region_table(rank_layout([entries[i] for i in order], **geometry))
     assert json.loads(shuffled.to_json()) == json.loads(reference.to_json())

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ..fixtures import F2_PAGE, f2_geometry, f2_sharers
 from ..layout import Spec
 from ._console import console as make_console
 
@@ -20,23 +21,11 @@ def tiny_kimi_layers(num_regions: int) -> tuple[list[tuple[str, int, Spec, Any]]
     """
     import torch
 
-    num_logical_blocks = 4
-    page = 144
-    mla: Spec = {"type": "mla", "head_size": 6, "dtype_bytes": 2}
-    kda: Spec = {
-        "type": "ssm",
-        "kind": "gdn",
-        "conv_shape": [8, 3],
-        "conv_dtype_bytes": 2,
-        "temporal_shape": [1, 4, 4],
-        "temporal_dtype_bytes": 4,
-        "page_size_padded": page,
-    }
+    geometry = f2_geometry()
     layers: list[tuple[str, int, Spec, Any]] = []
     for i in range(num_regions):
-        pool = torch.zeros(num_logical_blocks * page, dtype=torch.uint8)
-        layers += [(f"kda_a.{i}", 1, kda, pool), (f"mla.{i}", 0, mla, pool), (f"kda_b.{i}", 2, kda, pool)]
-    geometry = {"logical_block_size": 12, "kernel_block_size": 4, "num_logical_blocks": num_logical_blocks}
+        pool = torch.zeros(geometry["num_logical_blocks"] * F2_PAGE, dtype=torch.uint8)
+        layers += [(f"{name}.{i}", group, spec, pool) for name, group, spec in f2_sharers()]
     return layers, geometry
 
 
