@@ -24,6 +24,18 @@ pub fn mla_spec() -> LayerSpec {
     })
 }
 
+/// Dense memory of one layer on device 0: `bytes` from `base`, pages back to back, the rank's block count.
+pub fn dense_memory(base: u64, bytes: u64, mem_type: MemType) -> LayerMemory {
+    LayerMemory {
+        base,
+        bytes,
+        block_stride: 0,
+        device: 0,
+        mem_type,
+        num_blocks: None,
+    }
+}
+
 /// Reference F.1/F.2: two dual-purpose HMA tensors (`T0`, `T1`) shared by `mla.i`, `kda_a.i`, `kda_b.i`;
 /// logical block 12 tokens, kernel block 4 (ppl 3), `num_blocks` logical blocks of 144 bytes.
 /// Layers are listed KDA-first, as the vLLM test registers them.
@@ -40,14 +52,7 @@ pub fn hybrid_mla_f2(bases: [u64; 2], num_blocks: u64) -> RankLayout {
                 name: format!("{name}.{i}"),
                 group,
                 spec,
-                memory: LayerMemory {
-                    base,
-                    bytes: num_blocks * page,
-                    block_stride: 0,
-                    device: 0,
-                    mem_type: MemType::Dram,
-                    num_blocks: None,
-                },
+                memory: dense_memory(base, num_blocks * page, MemType::Dram),
             });
         }
     }
@@ -75,14 +80,11 @@ pub fn deepseek_v3_like(regions: u32, num_blocks: u64) -> RankLayout {
                 dtype_bytes: 2,
                 page_size_padded: None,
             }),
-            memory: LayerMemory {
-                base: 0x7f00_0000_0000 + u64::from(i) * (num_blocks * page + (1 << 20)),
-                bytes: num_blocks * page,
-                block_stride: 0,
-                device: 0,
-                mem_type: MemType::Vram,
-                num_blocks: None,
-            },
+            memory: dense_memory(
+                0x7f00_0000_0000 + u64::from(i) * (num_blocks * page + (1 << 20)),
+                num_blocks * page,
+                MemType::Vram,
+            ),
         })
         .collect();
     RankLayout {
@@ -108,14 +110,7 @@ pub fn kimi_linear_like(regions: u32, heads: u64, num_logical_blocks: u64) -> Ra
     let mut layers = Vec::new();
     for i in 0..regions {
         let base = 0x7f00_0000_0000 + u64::from(i) * (num_logical_blocks * page + (1 << 20));
-        let memory = LayerMemory {
-            base,
-            bytes: num_logical_blocks * page,
-            block_stride: 0,
-            device: 0,
-            mem_type: MemType::Vram,
-            num_blocks: None,
-        };
+        let memory = dense_memory(base, num_logical_blocks * page, MemType::Vram);
         let kda = LayerSpec::Ssm(SsmSpec {
             kind: MambaKind::Gdn,
             conv_shape: [3 * heads * 128, 3],

@@ -1,6 +1,6 @@
 //! Planning vectors of reference F.2–F.8 on hand-built layouts.
 
-use super::fixtures::{hybrid_mla_f2, kda_spec, mla_spec};
+use super::fixtures::{dense_memory, hybrid_mla_f2, kda_spec, mla_spec};
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
 use super::meta::{AgentMeta, EngineInfo, TransferMode};
 use super::plan::{PeerPlan, TableKey};
@@ -42,19 +42,11 @@ fn f7_remote(rank: u32) -> RankLayout {
             ("mla", 0, mla_spec()),
             ("kda_b", 2, kda_half(page)),
         ] {
-            let memory = LayerMemory {
-                base,
-                bytes: 12 * page,
-                block_stride: 0,
-                device: 0,
-                mem_type: MemType::Dram,
-                num_blocks: None,
-            };
             layers.push(LayerInput {
                 name: format!("{name}.{i}"),
                 group,
                 spec,
-                memory,
+                memory: dense_memory(base, 12 * page, MemType::Dram),
             });
         }
     }
@@ -164,14 +156,7 @@ fn mla_ssm(
     let page = logical * 12;
     let mut layers = Vec::new();
     for (i, base) in [0x10_0000u64, 0x20_0000].into_iter().enumerate() {
-        let memory = LayerMemory {
-            base,
-            bytes: num_logical * page,
-            block_stride: 0,
-            device: 0,
-            mem_type: MemType::Dram,
-            num_blocks: None,
-        };
+        let memory = dense_memory(base, num_logical * page, MemType::Dram);
         layers.push(LayerInput {
             name: format!("mla.{i}"),
             group: 0,
@@ -244,22 +229,20 @@ fn f4_pure_mla_push_writes_every_d_rank() {
     assert_eq!(plan.transfers[0].remote_ids, vec![200, 201, 500, 501]);
 }
 
-fn one_region_fa(rank_blocks: u64) -> RankLayout {
-    let spec = LayerSpec::FullAttention(AttentionSpec {
+/// One KV head of two one-byte elements: 16-byte kernel pages of 4 tokens.
+fn small_fa_spec() -> LayerSpec {
+    LayerSpec::FullAttention(AttentionSpec {
         num_kv_heads: 1,
         head_size: 2,
         head_size_v: None,
         dtype_bytes: 1,
         page_size_padded: None,
-    });
-    let memory = LayerMemory {
-        base: 0x4000,
-        bytes: rank_blocks * 16,
-        block_stride: 0,
-        device: 0,
-        mem_type: MemType::Dram,
-        num_blocks: None,
-    };
+    })
+}
+
+fn one_region_fa(rank_blocks: u64) -> RankLayout {
+    let spec = small_fa_spec();
+    let memory = dense_memory(0x4000, rank_blocks * 16, MemType::Dram);
     RankLayout {
         tp_rank: 0,
         tp_size: 1,
@@ -312,28 +295,14 @@ fn f5_push_prefix_end_trim() {
 /// F.8 descriptor-id vectors through a plan: per-region group routing and per-region capacities.
 #[test]
 fn f8_region_group_mapping_and_capacity() {
-    let fa = |name: &str, group: u32, base: u64, nb: u64| {
-        let spec = LayerSpec::FullAttention(AttentionSpec {
-            num_kv_heads: 1,
-            head_size: 2,
-            head_size_v: None,
-            dtype_bytes: 1,
-            page_size_padded: None,
-        });
-        let memory = LayerMemory {
-            base,
-            bytes: nb * 16,
-            block_stride: 0,
-            device: 0,
-            mem_type: MemType::Dram,
+    let fa = |name: &str, group: u32, base: u64, nb: u64| LayerInput {
+        name: name.into(),
+        group,
+        spec: small_fa_spec(),
+        memory: LayerMemory {
             num_blocks: Some(nb),
-        };
-        LayerInput {
-            name: name.into(),
-            group,
-            spec,
-            memory,
-        }
+            ..dense_memory(base, nb * 16, MemType::Dram)
+        },
     };
     let layout = |layers| RankLayout {
         tp_rank: 0,

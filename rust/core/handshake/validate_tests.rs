@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::core::fixtures::{hybrid_mla_f2, kimi_linear_like, mla_spec};
+use crate::core::fixtures::{dense_memory, hybrid_mla_f2, kimi_linear_like, mla_spec};
 use crate::core::layout::{LayerInput, LayerMemory, MemType, RankLayout};
 use crate::core::meta::{AgentMeta, EngineInfo, TransferMode};
 use crate::core::region::RegionTable;
@@ -74,14 +74,7 @@ fn gqa(k: u64, tp: u32, rank: u32, kernel: u64, regions: u64) -> RankLayout {
                 dtype_bytes: 2,
                 page_size_padded: None,
             }),
-            memory: LayerMemory {
-                base: 0x10_0000 * (i + 1),
-                bytes: n * page,
-                block_stride: 0,
-                device: 0,
-                mem_type: MemType::Vram,
-                num_blocks: None,
-            },
+            memory: dense_memory(0x10_0000 * (i + 1), n * page, MemType::Vram),
         })
         .collect();
     RankLayout {
