@@ -46,14 +46,7 @@ pub struct TpMapping {
 /// # Errors
 /// `TpRatio` when the sizes do not divide, `RankOutOfRange` for a bad rank.
 pub fn handshake_target_ranks(tp_rank: u32, tp_size: u32, remote_tp: u32) -> Result<Vec<u32>, PlanError> {
-    let ratio = checked_ratio(tp_size, remote_tp)?;
-    if tp_rank >= tp_size {
-        return Err(PlanError::RankOutOfRange {
-            side: Side::Local,
-            rank: tp_rank,
-            tp_size,
-        });
-    }
+    let ratio = checked_ratio(tp_rank, tp_size, remote_tp)?;
     Ok(if ratio > 0 {
         vec![tp_rank / ratio as u32]
     } else {
@@ -62,8 +55,21 @@ pub fn handshake_target_ranks(tp_rank: u32, tp_size: u32, remote_tp: u32) -> Res
     })
 }
 
-fn checked_ratio(local_tp: u32, remote_tp: u32) -> Result<i64, PlanError> {
-    tp_ratio(local_tp, remote_tp).map_err(|_| PlanError::TpRatio { local_tp, remote_tp })
+/// The signed TP ratio of a local rank: `TpRatio` when the sizes do not divide, then `RankOutOfRange` when
+/// `tp_rank` is not below `tp_size`.
+fn checked_ratio(tp_rank: u32, tp_size: u32, remote_tp: u32) -> Result<i64, PlanError> {
+    let ratio = tp_ratio(tp_size, remote_tp).map_err(|_| PlanError::TpRatio {
+        local_tp: tp_size,
+        remote_tp,
+    })?;
+    if tp_rank >= tp_size {
+        return Err(PlanError::RankOutOfRange {
+            side: Side::Local,
+            rank: tp_rank,
+            tp_size,
+        });
+    }
+    Ok(ratio)
 }
 
 /// Check that `heads` KV heads can be shared by `tp` ranks as DESIGN §2b says (equal shares or equal replicas).
@@ -93,14 +99,7 @@ impl TpMapping {
         is_mla: bool,
         groups: &[GroupKind],
     ) -> Result<TpMapping, PlanError> {
-        let ratio = checked_ratio(tp_size, remote_tp)?;
-        if tp_rank >= tp_size {
-            return Err(PlanError::RankOutOfRange {
-                side: Side::Local,
-                rank: tp_rank,
-                tp_size,
-            });
-        }
+        let ratio = checked_ratio(tp_rank, tp_size, remote_tp)?;
         let k = if is_mla { 1 } else { total_kv_heads };
         if !is_mla {
             check_heads(k, tp_size, Side::Local)?;
