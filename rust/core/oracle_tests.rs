@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 
 use super::meta::TransferMode;
-use super::scenario::{Deployment, Engine, Group, Model, Request, Scenario, Tensor, TensorLayer};
+use super::scenario::{Deployment, Engine, Group, Model, RankState, Request, Scenario, Tensor, TensorLayer};
 use super::spec::MambaKind;
 
 fn mix(mut h: u64, v: u64) -> u64 {
@@ -170,31 +170,23 @@ fn simulate(s: &Scenario) {
             })
             .collect()
     };
+    // Every rank of a side (1 prefill, 2 decode) starts as junk.
+    let junk_ranks = |side: u64, ranks: &[RankState]| -> Vec<Mem> {
+        ranks
+            .iter()
+            .enumerate()
+            .map(|(r, st)| Mem {
+                tensors: tensor_of(&st.layout)
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &(b, n))| (b, junk(side, r as u64, t, n as usize)))
+                    .collect(),
+            })
+            .collect()
+    };
     // Fill prefill request blocks with meaning hashes, decode with junk; compute the expected decode bytes.
-    let mut p_mem: Vec<Mem> = dep
-        .prefill
-        .iter()
-        .enumerate()
-        .map(|(r, st)| Mem {
-            tensors: tensor_of(&st.layout)
-                .iter()
-                .enumerate()
-                .map(|(t, &(b, n))| (b, junk(1, r as u64, t, n as usize)))
-                .collect(),
-        })
-        .collect();
-    let mut d_mem: Vec<Mem> = dep
-        .decode
-        .iter()
-        .enumerate()
-        .map(|(r, st)| Mem {
-            tensors: tensor_of(&st.layout)
-                .iter()
-                .enumerate()
-                .map(|(t, &(b, n))| (b, junk(2, r as u64, t, n as usize)))
-                .collect(),
-        })
-        .collect();
+    let mut p_mem = junk_ranks(1, &dep.prefill);
+    let mut d_mem = junk_ranks(2, &dep.decode);
     let mut expected: Vec<Vec<Vec<u8>>> = d_mem
         .iter()
         .map(|m| m.tensors.iter().map(|(_, v)| v.clone()).collect())
