@@ -40,13 +40,23 @@ class DemoConfig:
     seed: int = 0
     timeout_s: float = 120.0
     corrupt: bool = False
-    """Fault injection for tests: decode rank 0 flips one received byte before verifying."""
+    """Fault injection for tests: rank 0 of one side flips one byte before verifying (where: ``corrupt_at``)."""
+    corrupt_at: str = "received"
+    """``received``: a byte decode received; ``hole``: a decode byte no request names; ``prefill``: a prefill
+    byte (which must be unchanged after the transfer)."""
+    start_method: str = "spawn"
+    """How rank processes start: ``spawn``, or ``forkserver`` (one server imports torch once and forks every
+    rank from it: much faster startup when many ranks start on few cores)."""
 
     def validate(self) -> tuple[Side, Side]:
         """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
         preset = get_preset(self.preset)
         if self.mode not in ("pull", "push"):
             raise LayoutError(f"mode must be 'pull' or 'push', got {self.mode!r}")
+        if self.corrupt_at not in ("received", "hole", "prefill"):
+            raise LayoutError(f"corrupt_at must be 'received', 'hole' or 'prefill', got {self.corrupt_at!r}")
+        if self.start_method not in ("spawn", "forkserver"):
+            raise LayoutError(f"start method must be 'spawn' or 'forkserver', got {self.start_method!r}")
         if self.requests < 1 or self.tokens < 1:
             raise LayoutError(f"need at least one request of at least one token, got {self.requests} x {self.tokens}")
         preset.check_tp(self.prefill_tp, "prefill")
@@ -84,6 +94,9 @@ class DemoResult:
     gbps: float = 0.0
     memcpy_gbps: float = 0.0
     bytes_verified: int = 0
+    """Decode memory compared with the logical model (every byte of every decode rank)."""
+    prefill_bytes_verified: int = 0
+    """Prefill memory checked unchanged since it was filled (every byte of every prefill rank)."""
     problems: list[str] = field(default_factory=list)
     verified: bool = False
 
@@ -135,6 +148,15 @@ def make_requests(cfg: DemoConfig, prefill: Side, decode: Side) -> list[Request]
     return reqs
 
 
+def process_context(start_method: str = "spawn") -> Any:
+    """The multiprocessing context rank processes start from: ``spawn``, or ``forkserver`` whose server imports
+    torch and the worker once (ranks are forked from it; nothing in it has touched NIXL or started a thread)."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":  # no effect once this process's server runs (same modules anyway)
+        ctx.set_forkserver_preload(["torch", "hybrid_kv.demo.worker"])
+    return ctx
+
+
 class _Ranks:
     """The rank processes and their queues."""
 
@@ -143,7 +165,7 @@ class _Ranks:
 
         self.cfg = cfg
         self.events = events
-        ctx = mp.get_context("spawn")
+        ctx = process_context(cfg.start_method)
         self.outbox: Any = ctx.Queue()
         self.procs: dict[tuple[str, int], Any] = {}
         self.inboxes: dict[tuple[str, int], Any] = {}
@@ -267,11 +289,14 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             result.descriptors += descs
             result.bytes_moved += nbytes
             result.nixl_transfers += xfers
-        emit("stage", {"name": "verifying every decode byte", "total": 0})
-        ranks.send(ranks.keys("decode"), "verify", cfg.corrupt)
-        verdicts = ranks.collect("verified", ranks.keys("decode"))
+        emit("stage", {"name": "verifying every byte (decode: the logical model, prefill: unchanged)", "total": 0})
+        ranks.send(ranks.keys(), "verify", cfg.corrupt_at if cfg.corrupt else None)
+        verdicts = ranks.collect("verified", ranks.keys())
         for (role, rank), (problem, checked, verify_s) in sorted(verdicts.items()):
-            result.bytes_verified += checked
+            if role == "decode":
+                result.bytes_verified += checked
+            else:
+                result.prefill_bytes_verified += checked
             result.verify_s = max(result.verify_s, verify_s)
             if problem is not None:
                 result.problems.append(f"{role} rank {rank}: {problem}")

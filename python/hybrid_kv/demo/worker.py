@@ -5,7 +5,8 @@ metadata, and opens a NIXL endpoint. The *passive* side (prefill in pull mode, d
 registers memory and serves its metadata; the *active* side fetches the metadata of the peer ranks it talks
 to, builds its plan (local and remote descriptor tables), connects and validates the handshake, then plans
 and posts every request (READ in pull mode, WRITE in push mode). Decode ranks finally compare every byte
-of their pools with what :mod:`.content` says they must hold.
+of their pools with what :mod:`.content` says they must hold; prefill ranks check that not one of their bytes
+changed since they were filled.
 
 Messages to the coordinator are tuples ``(kind, role, rank, *payload)`` on one shared queue; commands come
 on the rank's own queue. Any failure is reported as ``("error", role, rank, message)`` and ends the process.
@@ -207,20 +208,17 @@ class _Worker:
             for r, c in zip(requests, self.contents, strict=True):
                 fill_prefill(self.pools, self.side, spec.rank, r, c, spec.seed)
             self.send("filled", time.perf_counter() - t0)
-        if spec.role == "decode":
-            self.before = [p.copy() for p in self.pools]
+        self.before = [p.copy() for p in self.pools]  # prefill: what must still be there after the transfer
         if spec.active:
             self.wait("go")
             self._post_all()
         elif spec.role == "decode":  # push: await the prefill ranks' writes
             (senders,) = self.wait("expect")
             self._await_pushes(senders)
-        if spec.role == "decode":
-            (corrupt,) = self.wait("verify")
-            if corrupt and spec.rank == 0:  # fault injection (tests): one received byte goes bad
-                b = self.requests[0].decode_ids[0][0]
-                self.pools[0][b * self.side.geometry.page_bytes] ^= 0xFF
-            self._verify()
+        (corrupt,) = self.wait("verify")
+        if corrupt is not None and spec.rank == 0:
+            self._corrupt(corrupt)
+        self._verify()
         self.wait("finish")
 
     # ------------------------------------------------------------------ transfers
@@ -273,9 +271,27 @@ class _Worker:
             if pending:
                 time.sleep(POLL_SLEEP_S)
 
+    def _corrupt(self, where: str) -> None:
+        """Fault injection (tests): flip one byte that verification must catch."""
+        first = self.requests[0]
+        if where == "prefill" and self.spec.role == "prefill":
+            block = first.prefill_ids[0][0]  # a source byte: the transfer must not have changed it
+        elif where == "received" and self.spec.role == "decode":
+            block = first.decode_ids[0][0]
+        elif where == "hole" and self.spec.role == "decode":
+            block = max(b for g in first.decode_ids for b in g) + 1  # the free block after the first request
+        else:
+            return
+        self.pools[0][block * self.side.geometry.page_bytes] ^= 0xFF
+
     def _verify(self) -> None:
+        """Decode: every byte is what the logical model says. Prefill: not one byte changed (a READ from it or
+        a WRITE out of it must leave its memory as it was filled)."""
         t0 = time.perf_counter()
-        want = expect_decode(self.before, self.side, self.other, self.spec.rank, self.requests, self.contents)
+        if self.spec.role == "prefill":
+            want = self.before
+        else:
+            want = expect_decode(self.before, self.side, self.other, self.spec.rank, self.requests, self.contents)
         problem = first_mismatch(self.pools, want, self.side)
         checked = sum(p.size for p in self.pools)
         self.send("verified", problem, checked, time.perf_counter() - t0)
