@@ -1,0 +1,191 @@
+"""Helpers for tests/test_pd_transfers.py: Kimi-like ranks on torch CPU tensors, a prefill rank process, and a
+decode rank driving a ``hybrid_kv.transport.Endpoint`` with ``hybrid_kv.PeerPlan`` plans.
+
+Rank memory, its content and the expected decode bytes come from the demo (``hybrid_kv.demo.content``), the
+spawn-able peer plumbing (queues, signals, reaping, pumping) from ``tests/transport/_peers.py``. The prefill
+process is started from the demo's forkserver context (torch is imported once, ranks are forked from it).
+Engines here are TP 1 so that a peer engine is one process: the TP matrix itself is covered by the demo runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent / "transport"))
+
+from _peers import Peer, pump  # noqa: E402  (tests/transport is not a package)
+
+from hybrid_kv import HandshakeError, PeerPlan, RegionTable, decode_meta, encode_meta, validate_handshake  # noqa: E402
+from hybrid_kv.demo.content import Content, Request, Side, expect_decode, fill_prefill, random_bytes  # noqa: E402
+from hybrid_kv.demo.run import process_context  # noqa: E402
+from hybrid_kv.transport import Endpoint, Transfer  # noqa: E402
+
+__all__ = ["DecodeRank", "KimiRank", "PrefillProcess", "ZERO", "pump"]
+
+PRESET = "tiny-kimi-linear"
+ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
+
+
+class KimiRank:
+    """One TP-1 rank's HMA pool as torch CPU tensors (MLA + KDA layers sharing each tensor), filled with
+    reproducible garbage, with its region table and handshake payload."""
+
+    def __init__(self, role: str, num_blocks: int, seed: int, preset: str = PRESET, mode: str = "pull") -> None:
+        from hybrid_kv.presets import get_preset
+        from hybrid_kv.torch_adapter import region_table_from_tensors
+
+        p = get_preset(preset)
+        self.role = role
+        self.side = Side(p, p.geometry(1), num_blocks)
+        geo = self.side.geometry
+        self.tensors, layers, _ = p.torch_layers(1, 0, num_blocks)  # the tensors own the memory: keep them
+        self.pools = [t.numpy().reshape(-1) for t in self.tensors]
+        for i, pool in enumerate(self.pools):
+            pool[:] = random_bytes(seed, (7, int(role == "decode"), i), pool.size)
+        self.table: RegionTable = region_table_from_tensors(
+            layers,
+            logical_block_size=geo.logical_block_size,
+            kernel_block_size=geo.kernel_block_size,
+            num_logical_blocks=num_blocks,
+            tp_rank=0,
+            tp_size=1,
+            total_num_kv_heads=p.attention.num_kv_heads,
+        )
+        self.payload: bytes = encode_meta(self.table.agent_meta_json(json.dumps(p.engine_info(role, mode))))
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [p.copy() for p in self.pools]
+
+
+# ---------------------------------------------------------------------------------------------- prefill process
+
+
+def prefill_main(
+    name: str, preset: str, num_blocks: int, seed: int, requests: list[Request], out: Any, cmds: Any
+) -> None:
+    """A prefill rank: fills ``requests`` from the logical model, serves its metadata, answers READs until told
+    to stop; reports ``("closed", handle_counts)`` after closing its endpoint."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    rank = KimiRank("prefill", num_blocks, seed, preset)
+    for r in requests:
+        fill_prefill(rank.pools, rank.side, 0, r, Content(rank.side.preset, seed, r.index, r.content_tokens), seed)
+    filled = rank.snapshot()
+    end = time.monotonic() + 60.0  # never outlive a broken test for long
+    ep = Endpoint(
+        name, rank.table.registration(), {"whole": rank.table.local_rows()}, metadata_provider=lambda r: rank.payload
+    )
+    with ep:
+        out.put(("ready", ep.address, os.getpid()))
+        while time.monotonic() < end:
+            try:
+                cmd = cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+            if cmd == "stop":
+                break
+            ev = ep.poll()
+            for e in ev.remote_done:
+                out.put(("remote_done", e.sender, e.request_id))
+            time.sleep(0.0005)
+    unchanged = all(np.array_equal(a, b) for a, b in zip(rank.pools, filled, strict=True))
+    out.put(("closed", ep.handle_counts(), unchanged))
+
+
+class PrefillProcess(Peer):
+    """A prefill rank in its own process; ``expect``/``stop``/``signal``/``kill`` and reaping come from the
+    transport tests' ``Peer``. ``stop()`` returns the rank's handle counts after close."""
+
+    def __init__(self, name: str, seed: int, requests: list[Request], num_blocks: int, preset: str = PRESET) -> None:
+        ctx = process_context("forkserver")
+        self.name = name
+        self.seed = seed
+        self.out = ctx.Queue()
+        self.cmds = ctx.Queue()
+        args = (name, preset, num_blocks, seed, requests, self.out, self.cmds)
+        self.proc = ctx.Process(target=prefill_main, args=args, daemon=True)
+        self.proc.start()
+        msg = self.out.get(timeout=30)
+        assert msg[0] == "ready", msg
+        self.address: str = msg[1]
+        self.memory_unchanged: bool | None = None
+
+    def stop(self) -> dict[str, int]:
+        """Close the rank; returns its handle counts after close (``memory_unchanged`` says whether every byte
+        of its pools is still what it was filled with)."""
+        self.cmds.put("stop")
+        msg = self.expect("closed", 10.0)
+        self.proc.join(10)
+        self.memory_unchanged = bool(msg[2])
+        return dict(msg[1])
+
+
+# ---------------------------------------------------------------------------------------------- decode rank
+
+
+class DecodeRank:
+    """The decode rank under test (in this process): pulls requests from TP-1 prefill engines.
+
+    Its local table is the region table's whole-block table (what a plan against a TP-1 peer prepares; checked
+    against every real plan). Every handshake is validated with ``validate_handshake``; the remote table of a
+    peer comes from a ``PeerPlan`` built from the payload it sent.
+    """
+
+    def __init__(self, name: str, num_blocks: int, seed: int) -> None:
+        self.rank = KimiRank("decode", num_blocks, seed)
+        self.local = {"whole": self.rank.table.local_rows()}
+        self.ep = Endpoint(name, self.rank.table.registration(), self.local)
+        self.plans: dict[str, PeerPlan] = {}
+
+    def _validate(self, payload: bytes) -> None:
+        validate_handshake(self.rank.payload, payload)
+
+    def _tables(self, peer: str, payload: bytes) -> dict[str, np.ndarray]:
+        plan = PeerPlan(self.rank.table, [decode_meta(payload)], "pull")
+        for key in plan.table_keys:
+            if key not in self.local or not np.array_equal(plan.local_rows(key), self.local[key]):
+                raise HandshakeError(
+                    f"peer {peer!r}: the plan needs local table {key!r}, which differs from the prepped one"
+                )
+        self.plans[peer] = plan
+        return {"remote": plan.remote_rows(0)}
+
+    def begin_connect(self, peer: str, address: str, timeout_s: float) -> None:
+        self.ep.begin_connect(
+            peer, address, lambda p: self._tables(peer, p), validate=self._validate, timeout_s=timeout_s
+        )
+
+    def connect(self, peer: str, address: str, timeout_s: float) -> None:
+        self.ep.connect(peer, address, lambda p: self._tables(peer, p), validate=self._validate, timeout_s=timeout_s)
+
+    def transfers(self, peer: str, req: Request, plan: PeerPlan | None = None) -> list[Transfer]:
+        """A request's READs from ``peer`` (planned with ``plan``, by default the peer's own)."""
+        p = (plan or self.plans[peer]).plan(req.decode_ids, req.prefill_ids)
+        return [Transfer(peer, t.local_table, "remote", t.local_ids, t.remote_ids) for t in p.transfers]
+
+    def pull(self, peer: str, req: Request, deadline_s: float, plan: PeerPlan | None = None) -> Any:
+        return self.ep.post(req.rid, self.transfers(peer, req, plan), "READ", deadline_s)
+
+    def expected(self, before: list[np.ndarray], landed: list[tuple[Request, int]], prefill: Side) -> list[np.ndarray]:
+        """Decode memory after ``landed`` ``(request, prefill seed)`` pairs, starting from ``before``."""
+        want = before
+        for req, seed in landed:
+            c = Content(prefill.preset, seed, req.index, req.content_tokens)
+            want = expect_decode(want, self.rank.side, prefill, 0, [req], [c])
+        return want
+
+    def blocks_mask(self, reqs: list[Request]) -> np.ndarray:
+        """Byte mask (per tensor) of every decode block named by ``reqs``."""
+        page = self.rank.side.geometry.page_bytes
+        mask = np.zeros(self.rank.pools[0].size, dtype=bool)
+        for r in reqs:
+            for b in (b for g in r.decode_ids for b in g):
+                mask[b * page : (b + 1) * page] = True
+        return mask
