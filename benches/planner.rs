@@ -128,64 +128,36 @@ fn scenario(model: Model, p: Engine, d: Engine, mode: TransferMode) -> Scenario 
     }
 }
 
+/// DeepSeek-V3 from prefill TP `p` to decode TP `d`: 4096 blocks of 64 tokens on every rank.
+fn deepseek_v3_scenario(p: u32, d: u32, mode: TransferMode) -> Scenario {
+    scenario(deepseek_v3(), engine(p, 64, 4096), engine(d, 64, 4096), mode)
+}
+
+/// Kimi-Linear from prefill TP `p` to decode TP `d`: logical blocks sized by [`kimi_logical`], 256 per TP rank.
+fn kimi_linear_scenario(p: u32, d: u32, mode: TransferMode) -> Scenario {
+    let engine_at = |tp: u32| engine(tp, kimi_logical(u64::from(tp)), 256 * u64::from(tp));
+    scenario(kimi_linear(), engine_at(p), engine_at(d), mode)
+}
+
 fn bench_plan_request(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan_request_128k");
     g.sample_size(20);
     let cases = [
         (
             "deepseek_v3_pull_p8_d16",
-            scenario(
-                deepseek_v3(),
-                engine(8, 64, 4096),
-                engine(16, 64, 4096),
-                TransferMode::Pull,
-            ),
+            deepseek_v3_scenario(8, 16, TransferMode::Pull),
         ),
         (
             "deepseek_v3_pull_p16_d8",
-            scenario(
-                deepseek_v3(),
-                engine(16, 64, 4096),
-                engine(8, 64, 4096),
-                TransferMode::Pull,
-            ),
+            deepseek_v3_scenario(16, 8, TransferMode::Pull),
         ),
         (
             "deepseek_v3_push_p8_d16",
-            scenario(
-                deepseek_v3(),
-                engine(8, 64, 4096),
-                engine(16, 64, 4096),
-                TransferMode::Push,
-            ),
+            deepseek_v3_scenario(8, 16, TransferMode::Push),
         ),
-        (
-            "kimi_linear_pull_p1_d2",
-            scenario(
-                kimi_linear(),
-                engine(1, kimi_logical(1), 256),
-                engine(2, kimi_logical(2), 512),
-                TransferMode::Pull,
-            ),
-        ),
-        (
-            "kimi_linear_pull_p8_d1",
-            scenario(
-                kimi_linear(),
-                engine(8, kimi_logical(8), 2048),
-                engine(1, kimi_logical(1), 256),
-                TransferMode::Pull,
-            ),
-        ),
-        (
-            "kimi_linear_push_p1_d8",
-            scenario(
-                kimi_linear(),
-                engine(1, kimi_logical(1), 256),
-                engine(8, kimi_logical(8), 2048),
-                TransferMode::Push,
-            ),
-        ),
+        ("kimi_linear_pull_p1_d2", kimi_linear_scenario(1, 2, TransferMode::Pull)),
+        ("kimi_linear_pull_p8_d1", kimi_linear_scenario(8, 1, TransferMode::Pull)),
+        ("kimi_linear_push_p1_d8", kimi_linear_scenario(1, 8, TransferMode::Push)),
     ];
     for (name, s) in &cases {
         let dep = Deployment::build(s).unwrap();
