@@ -355,14 +355,6 @@ def peer_plan_binding() -> Any:
     return getattr(hk, "PeerPlan", None) or getattr(hk._core, "PeerPlan", None)
 
 
-def handshake_targets(rank: int, tp: int, remote_tp: int) -> list[int]:
-    """Remote ranks a rank handshakes with (reference C.2): one, or the |ratio| ranks covering its shard."""
-    if tp >= remote_tp:
-        return [rank * remote_tp // tp]
-    k = remote_tp // tp
-    return list(range(rank * k, (rank + 1) * k))
-
-
 def local_tables(peer: Any) -> list[tuple[str, Any]]:
     """Every local table of a ``PeerPlan`` as strided rows, keyed as transfers name them."""
     return [(k, peer.local_rows(k)) for k in peer.table_keys]
@@ -395,7 +387,7 @@ def deploy(
     l_n, r_n = (d_blocks, p_blocks) if local_is_d else (p_blocks, d_blocks)
     l_side, r_side = ("decode", "prefill") if local_is_d else ("prefill", "decode")
     local = hk.build_region_table(preset.rank_layout(l_tp, 0, l_n))
-    targets = handshake_targets(0, l_tp, r_tp)
+    targets = hk.handshake_target_ranks(0, l_tp, r_tp)
     info = json.dumps(preset.engine_info(r_side, mode))
     payloads = [hk.build_region_table(preset.rank_layout(r_tp, r, r_n)).agent_meta_json(info) for r in targets]
     peer = PeerPlan(local, payloads, mode)

@@ -100,7 +100,8 @@ def preflight(
 ) -> Report:
     """Build the report. Bad arguments (unknown preset, non-positive sizes) raise ``HybridKvError``;
     an incompatible deployment is a report with ``compatible=False`` and its reasons."""
-    from .demo.planning import RankPlanner, handshake_targets
+    from ._core import handshake_target_ranks
+    from .demo.planning import RankPlanner
 
     preset = get_preset(preset_name)
     if mode not in ("pull", "push"):
@@ -162,7 +163,7 @@ def preflight(
     for r, table in enumerate(tables[active]):
         rr = by_key[(active, r)]
         try:
-            targets = handshake_targets(r, tps[active], tps[passive])
+            targets = handshake_target_ranks(r, tps[active], tps[passive])
         except HybridKvError as exc:
             report.reasons.append(f"{active} rank {r}: {exc}")
             continue

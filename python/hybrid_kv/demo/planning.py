@@ -10,14 +10,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .._core import PeerPlan, RegionTable, decode_meta, handshake_target_ranks
+from .._core import PeerPlan, RegionTable, decode_meta
 from ..transport import Transfer
 
 U64 = npt.NDArray[np.uint64]
-
-handshake_targets = handshake_target_ranks
-"""The peer ranks a rank exchanges data with: the planner's rule, from Rust (kept under this name for
-``preflight``)."""
 
 
 class RankPlanner:
