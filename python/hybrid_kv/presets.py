@@ -563,6 +563,13 @@ def _nemotron(pattern: str) -> str:
     return "".join({"M": "S", "*": "A"}[c] for c in pattern if c != "-")
 
 
+def _gqa(layers: int, head_dim: int, kv_heads: int, heads: int) -> AttentionShape:
+    """GQA attention on FlashAttention (16-token kernel blocks)."""
+    return AttentionShape(
+        "gqa", layers, head_dim, num_kv_heads=kv_heads, num_heads=heads, kernel_block_size=16, backend="FLASH_ATTN"
+    )
+
+
 def _kimi(heads: int, head_dim: int, conv_kernel: int, kind_layers: int, attn_layers: int, **kw: Any) -> SsmShape:
     d = heads * head_dim
     return SsmShape(
@@ -660,9 +667,7 @@ def _build() -> dict[str, Preset]:
                 "linear_conv_kernel_dim": 4,
                 "dtype": "bfloat16",
             },
-            attention=AttentionShape(
-                "gqa", 12, 256, num_kv_heads=2, num_heads=16, kernel_block_size=16, backend="FLASH_ATTN"
-            ),
+            attention=_gqa(12, 256, 2, 16),
             ssm=_gdn(16, 128, 32, 128, 4, 36),
             layer_kinds=_every(4, 48),
         ),
@@ -683,9 +688,7 @@ def _build() -> dict[str, Preset]:
                 "conv_kernel": 4,
                 "torch_dtype": "bfloat16",
             },
-            attention=AttentionShape(
-                "gqa", 4, 128, num_kv_heads=8, num_heads=32, kernel_block_size=16, backend="FLASH_ATTN"
-            ),
+            attention=_gqa(4, 128, 8, 32),
             ssm=_mamba2(128, 64, 128, 8, 4, 24),
             layer_kinds=_nemotron(_NEMOTRON_8B),
             notes="MLP-only layers ('-') hold no KV cache and are left out.",
@@ -708,9 +711,7 @@ def _build() -> dict[str, Preset]:
                 "text_config.mamba_ssm_dtype": "float32",
                 "text_config.dtype": "bfloat16",
             },
-            attention=AttentionShape(
-                "gqa", 16, 256, num_kv_heads=4, num_heads=24, kernel_block_size=16, backend="FLASH_ATTN"
-            ),
+            attention=_gqa(16, 256, 4, 24),
             ssm=_gdn(16, 128, 48, 128, 4, 48),
             layer_kinds=_every(4, 64),
         ),
@@ -739,9 +740,7 @@ def _build() -> dict[str, Preset]:
             title="tiny Qwen3-Next (demo)",
             source="scaled down from qwen3-next-80b-a3b",
             fields={"layers": 8, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2, "gdn_v_heads": 4, "gdn_dim": 16},
-            attention=AttentionShape(
-                "gqa", 2, 16, num_kv_heads=2, num_heads=4, kernel_block_size=16, backend="FLASH_ATTN"
-            ),
+            attention=_gqa(2, 16, 2, 4),
             ssm=_gdn(2, 16, 4, 16, 4, 6),
             layer_kinds=_every(4, 8),
             tiny_of="qwen3-next-80b-a3b",
@@ -759,9 +758,7 @@ def _build() -> dict[str, Preset]:
                 "ssm_state_size": 8,
                 "n_groups": 2,
             },
-            attention=AttentionShape(
-                "gqa", 2, 16, num_kv_heads=2, num_heads=4, kernel_block_size=16, backend="FLASH_ATTN"
-            ),
+            attention=_gqa(2, 16, 2, 4),
             ssm=_mamba2(4, 8, 8, 2, 4, 4),
             layer_kinds=_nemotron("M-M*-M-M*-"),
             tiny_of="nemotron-h-8b",
@@ -771,9 +768,7 @@ def _build() -> dict[str, Preset]:
             title="tiny Qwen3.5 (demo)",
             source="scaled down from qwen3.5-27b",
             fields={"layers": 8, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2, "gdn_v_heads": 6, "gdn_dim": 16},
-            attention=AttentionShape(
-                "gqa", 2, 16, num_kv_heads=2, num_heads=6, kernel_block_size=16, backend="FLASH_ATTN"
-            ),
+            attention=_gqa(2, 16, 2, 6),
             ssm=_gdn(2, 16, 6, 16, 4, 6),
             layer_kinds=_every(4, 8),
             tiny_of="qwen3.5-27b",
