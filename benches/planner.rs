@@ -1,11 +1,13 @@
-//! Planner throughput: region tables and local descriptor tables at DeepSeek-V3 and Kimi-Linear scale.
+//! Planner throughput at DeepSeek-V3 and Kimi-Linear scale: region tables, local tables, the tables of a peer
+//! (remote descriptor tables per remote rank and split local tables), and per-request planning.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hybrid_kv::core::fixtures::{deepseek_v3_like, kimi_linear_like};
+use hybrid_kv::core::plan::PeerPlan;
 use hybrid_kv::core::scenario::{Deployment, Engine, Group, Model, Request, Scenario, Tensor, TensorLayer};
-use hybrid_kv::core::{MambaKind, RegionTable, TransferMode};
+use hybrid_kv::core::{DescTable, MambaKind, RegionTable, TransferMode};
 
 fn bench_tables(c: &mut Criterion) {
     let mut g = c.benchmark_group("local_table");
@@ -31,7 +33,8 @@ fn bench_tables(c: &mut Criterion) {
     g.finish();
 }
 
-const TOKENS: u64 = 128 * 1024;
+/// Request lengths (tokens) of the per-request planning group.
+const REQUEST_TOKENS: [(&str, u64); 3] = [("4k", 4 * 1024), ("32k", 32 * 1024), ("128k", 128 * 1024)];
 
 fn layer(name: String, group: u32) -> TensorLayer {
     TensorLayer { name, group }
@@ -100,8 +103,8 @@ fn engine(tp: u32, logical: u64, num_blocks: u64) -> Engine {
     }
 }
 
-/// One 128K-token request on every group; the engines' ids are disjoint ascending runs.
-fn scenario(model: Model, p: Engine, d: Engine, mode: TransferMode) -> Scenario {
+/// One request of `tokens` tokens on every group; the engines' ids are disjoint ascending runs.
+fn scenario(model: Model, p: Engine, d: Engine, mode: TransferMode, tokens: u64) -> Scenario {
     let ids = |e: &Engine, start: u64| -> Vec<Vec<u64>> {
         model
             .groups
@@ -109,7 +112,7 @@ fn scenario(model: Model, p: Engine, d: Engine, mode: TransferMode) -> Scenario 
             .enumerate()
             .map(|(g, grp)| match grp {
                 Group::Ssm { .. } => vec![start + 10 * g as u64],
-                _ => (start + 100..start + 100 + TOKENS.div_ceil(e.logical_block_size)).collect(),
+                _ => (start + 100..start + 100 + tokens.div_ceil(e.logical_block_size)).collect(),
             })
             .collect()
     };
@@ -128,60 +131,148 @@ fn scenario(model: Model, p: Engine, d: Engine, mode: TransferMode) -> Scenario 
     }
 }
 
-/// DeepSeek-V3 from prefill TP `p` to decode TP `d`: 4096 blocks of 64 tokens on every rank.
-fn deepseek_v3_scenario(p: u32, d: u32, mode: TransferMode) -> Scenario {
-    scenario(deepseek_v3(), engine(p, 64, 4096), engine(d, 64, 4096), mode)
+/// DeepSeek-V3 from prefill TP `p` to decode TP `d`: `blocks` blocks of 64 tokens on every rank.
+fn deepseek_v3_scenario(p: u32, d: u32, mode: TransferMode, tokens: u64, blocks: u64) -> Scenario {
+    scenario(
+        deepseek_v3(),
+        engine(p, 64, blocks),
+        engine(d, 64, blocks),
+        mode,
+        tokens,
+    )
 }
 
 /// Kimi-Linear from prefill TP `p` to decode TP `d`: logical blocks sized by [`kimi_logical`], 256 per TP rank.
-fn kimi_linear_scenario(p: u32, d: u32, mode: TransferMode) -> Scenario {
+fn kimi_linear_scenario(p: u32, d: u32, mode: TransferMode, tokens: u64) -> Scenario {
     let engine_at = |tp: u32| engine(tp, kimi_logical(u64::from(tp)), 256 * u64::from(tp));
-    scenario(kimi_linear(), engine_at(p), engine_at(d), mode)
+    scenario(kimi_linear(), engine_at(p), engine_at(d), mode, tokens)
 }
 
-fn bench_plan_request(c: &mut Criterion) {
-    let mut g = c.benchmark_group("plan_request_128k");
-    g.sample_size(20);
+/// Rank 0 of the posting side, its region table and the metadata of the peer ranks it handshakes with.
+fn peer_inputs(s: &Scenario) -> (RegionTable, Vec<hybrid_kv::core::AgentMeta>) {
+    let dep = Deployment::build(s).unwrap();
+    let (local, remote) = match s.mode {
+        TransferMode::Pull => (&dep.decode, &dep.prefill),
+        TransferMode::Push => (&dep.prefill, &dep.decode),
+    };
+    let metas = dep.peers[0]
+        .remote_tables
+        .iter()
+        .map(|(r, _)| remote[*r as usize].meta.clone())
+        .collect();
+    (local[0].table.clone(), metas)
+}
+
+/// Every table of a peer plan: local (base and split) tables, then one remote table per remote rank.
+fn peer_tables(p: &PeerPlan) -> impl Iterator<Item = &DescTable> {
+    p.local_tables
+        .iter()
+        .map(|(_, t)| t)
+        .chain(p.remote_tables.iter().map(|(_, t)| t))
+}
+
+/// `PeerPlan::new`: the TP mapping, one remote descriptor table per remote rank, and the split local tables
+/// (P_TP > D_TP), at DeepSeek-V3 scale (61 regions x 100,000 kernel blocks) and Kimi-Linear scale.
+fn bench_peer_tables(c: &mut Criterion) {
+    let mut g = c.benchmark_group("peer_tables");
+    g.sample_size(10);
     let cases = [
         (
-            "deepseek_v3_pull_p8_d16",
-            deepseek_v3_scenario(8, 16, TransferMode::Pull),
+            "deepseek_v3_100k_pull_p8_d16",
+            deepseek_v3_scenario(8, 16, TransferMode::Pull, 4096, 100_000),
         ),
         (
-            "deepseek_v3_pull_p16_d8",
-            deepseek_v3_scenario(16, 8, TransferMode::Pull),
+            "deepseek_v3_100k_pull_p16_d8",
+            deepseek_v3_scenario(16, 8, TransferMode::Pull, 4096, 100_000),
         ),
         (
-            "deepseek_v3_push_p8_d16",
-            deepseek_v3_scenario(8, 16, TransferMode::Push),
+            "kimi_linear_pull_p8_d1",
+            kimi_linear_scenario(8, 1, TransferMode::Pull, 4096),
         ),
-        ("kimi_linear_pull_p1_d2", kimi_linear_scenario(1, 2, TransferMode::Pull)),
-        ("kimi_linear_pull_p8_d1", kimi_linear_scenario(8, 1, TransferMode::Pull)),
-        ("kimi_linear_push_p1_d8", kimi_linear_scenario(1, 8, TransferMode::Push)),
+        (
+            "kimi_linear_pull_p1_d8",
+            kimi_linear_scenario(1, 8, TransferMode::Pull, 4096),
+        ),
+        (
+            "kimi_linear_push_p1_d8",
+            kimi_linear_scenario(1, 8, TransferMode::Push, 4096),
+        ),
     ];
     for (name, s) in &cases {
-        let dep = Deployment::build(s).unwrap();
-        let peer = &dep.peers[0];
-        let req = &s.requests[0];
-        let (local, remote) = match s.mode {
-            TransferMode::Pull => (&req.decode, &req.prefill),
-            TransferMode::Push => (&req.prefill, &req.decode),
-        };
-        let plan = peer.plan(local, remote).unwrap();
-        let ids: usize = plan.transfers.iter().map(|t| t.local_ids.len()).sum();
-        g.throughput(Throughput::Elements(ids as u64));
-        // Fresh id arrays every request (what the Python binding does: the arrays are handed to numpy).
-        g.bench_function(BenchmarkId::new("plan", name), |b| {
-            b.iter(|| peer.plan(black_box(local), black_box(remote)).unwrap())
+        let (table, metas) = peer_inputs(s);
+        let peer = PeerPlan::new(&table, &metas, s.mode).unwrap();
+        let descs: u64 = peer_tables(&peer).map(|t| t.len()).sum();
+        g.throughput(Throughput::Elements(descs));
+        // Strided rows, ready for NIXL's Nx5 prep.
+        g.bench_function(BenchmarkId::new("peer_plan_new", name), |b| {
+            b.iter(|| PeerPlan::new(black_box(&table), black_box(&metas), s.mode).unwrap())
         });
-        // Reused id buffers (a Rust caller planning request after request).
-        let mut out = plan.clone();
-        g.bench_function(BenchmarkId::new("plan_into", name), |b| {
-            b.iter(|| peer.plan_into(black_box(local), black_box(remote), &mut out).unwrap())
+        // The same tables expanded to Nx3 (the form NIXL < 1.5 takes).
+        g.bench_function(BenchmarkId::new("peer_tables_nx3", name), |b| {
+            b.iter(|| {
+                let peer = PeerPlan::new(black_box(&table), black_box(&metas), s.mode).unwrap();
+                peer_tables(&peer).map(|t| t.to_flat().len()).sum::<usize>()
+            })
         });
     }
     g.finish();
 }
 
-criterion_group!(benches, bench_tables, bench_plan_request);
+fn bench_plan_request(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan_request");
+    g.sample_size(20);
+    for (len, tokens) in REQUEST_TOKENS {
+        let cases = [
+            (
+                "deepseek_v3_pull_p8_d16",
+                deepseek_v3_scenario(8, 16, TransferMode::Pull, tokens, 4096),
+            ),
+            (
+                "deepseek_v3_pull_p16_d8",
+                deepseek_v3_scenario(16, 8, TransferMode::Pull, tokens, 4096),
+            ),
+            (
+                "deepseek_v3_push_p8_d16",
+                deepseek_v3_scenario(8, 16, TransferMode::Push, tokens, 4096),
+            ),
+            (
+                "kimi_linear_pull_p1_d2",
+                kimi_linear_scenario(1, 2, TransferMode::Pull, tokens),
+            ),
+            (
+                "kimi_linear_pull_p8_d1",
+                kimi_linear_scenario(8, 1, TransferMode::Pull, tokens),
+            ),
+            (
+                "kimi_linear_push_p1_d8",
+                kimi_linear_scenario(1, 8, TransferMode::Push, tokens),
+            ),
+        ];
+        for (name, s) in &cases {
+            let dep = Deployment::build(s).unwrap();
+            let peer = &dep.peers[0];
+            let req = &s.requests[0];
+            let (local, remote) = match s.mode {
+                TransferMode::Pull => (&req.decode, &req.prefill),
+                TransferMode::Push => (&req.prefill, &req.decode),
+            };
+            let plan = peer.plan(local, remote).unwrap();
+            let ids: usize = plan.transfers.iter().map(|t| t.local_ids.len()).sum();
+            g.throughput(Throughput::Elements(ids as u64));
+            let id = format!("{name}_{len}");
+            // Fresh id arrays every request (what the Python binding does: the arrays are handed to numpy).
+            g.bench_function(BenchmarkId::new("plan", &id), |b| {
+                b.iter(|| peer.plan(black_box(local), black_box(remote)).unwrap())
+            });
+            // Reused id buffers (a Rust caller planning request after request).
+            let mut out = plan.clone();
+            g.bench_function(BenchmarkId::new("plan_into", &id), |b| {
+                b.iter(|| peer.plan_into(black_box(local), black_box(remote), &mut out).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_tables, bench_peer_tables, bench_plan_request);
 criterion_main!(benches);
