@@ -245,6 +245,12 @@ class _Worker:
                 pending.add(r.rid)
             else:
                 self.send("request_done", r.rid)
+        self._wait_done(pending)
+        transfer_s = time.perf_counter() - t0
+        self.send("transferred", plan_s, transfer_s, descs, nbytes, len(plans), sum(len(p) for p in plans))
+
+    def _wait_done(self, pending: set[str]) -> None:
+        """Poll until every request in ``pending`` completed, reporting each one as it does."""
         while pending:
             ev = self.ep.poll()
             for rid in ev.done:
@@ -253,8 +259,6 @@ class _Worker:
             self._check_events(ev)
             if pending:
                 time.sleep(POLL_SLEEP_S)
-        transfer_s = time.perf_counter() - t0
-        self.send("transferred", plan_s, transfer_s, descs, nbytes, len(plans), sum(len(p) for p in plans))
 
     def _await_pushes(self, senders: dict[str, int]) -> None:
         pending = set()
@@ -262,14 +266,7 @@ class _Worker:
             if n:
                 self.ep.expect(rid, self.spec.deadline_s, senders=n)
                 pending.add(rid)
-        while pending:
-            ev = self.ep.poll()
-            for rid in ev.done:
-                pending.discard(rid)
-                self.send("request_done", rid)
-            self._check_events(ev)
-            if pending:
-                time.sleep(POLL_SLEEP_S)
+        self._wait_done(pending)
 
     def _corrupt(self, where: str) -> None:
         """Fault injection (tests): flip one byte that verification must catch."""
