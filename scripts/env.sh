@@ -4,6 +4,10 @@
 #   HYBRID_KV_VENV   where the venv lives (default: ~/.venvs/hybrid-kv, shared by every clone)
 set -euo pipefail
 HKV_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Already set up and built for this checkout by a calling script (e.g. .ci/run -> scripts/test.sh)?
+if [ "${HKV_ENV_READY:-}" = "$HKV_ROOT" ] && [ -n "${VIRTUAL_ENV:-}" ]; then
+    return 0
+fi
 HYBRID_KV_VENV="${HYBRID_KV_VENV:-$HOME/.venvs/hybrid-kv}"
 export HYBRID_KV_VENV
 
@@ -28,4 +32,12 @@ if ! command -v cargo >/dev/null 2>&1; then
     exit 1
 fi
 echo "[hybrid-kv] building the extension (maturin develop --release)" >&2
-(cd "$HKV_ROOT" && rm -f python/hybrid_kv/_core*.so && maturin develop --release -q >/dev/null)
+build_log="$(mktemp)"
+if ! (cd "$HKV_ROOT" && rm -f python/hybrid_kv/_core*.so && maturin develop --release -q) >"$build_log" 2>&1; then
+    cat "$build_log" >&2
+    echo "[hybrid-kv] error: building the extension failed (output above)" >&2
+    rm -f "$build_log"
+    exit 1
+fi
+rm -f "$build_log"
+export HKV_ENV_READY="$HKV_ROOT"
