@@ -61,6 +61,14 @@ def register(sub: Any) -> None:
         description="Build every rank of a P/D deployment described by a scenario file (see docs/scenario.md), "
         "plan each request on every local rank (decode in pull mode, prefill in push mode) and print the "
         "transfers. With --json, print every transfer's descriptor ids and byte moves.",
+        epilog="""examples:
+  hybrid-kv plan tests/data/scenarios/kimi_tiny_8p2d_push.json      transfers per request and rank pair
+  hybrid-kv plan scenario.json --json --no-moves                    descriptor ids only
+  hybrid-kv plan - < scenario.json                                  scenario on stdin
+
+Exit status: 0 when every request plans; 2 for an unreadable or malformed scenario or a request that
+cannot be planned (one line on stderr).""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("scenario", help="scenario JSON file, or - for stdin")
     p.add_argument("--json", action="store_true", help="print the full report as JSON (ids and moves)")
