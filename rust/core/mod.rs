@@ -1,6 +1,7 @@
 //! The pure planning core: plain integers in, plain integers out; it never dereferences an address.
 #![forbid(unsafe_code)]
 
+pub mod coalesce;
 pub mod descs;
 pub mod error;
 pub mod handshake;

@@ -15,9 +15,13 @@
 //!   Push differs on purpose where vLLM would double-write or skip bytes: attention goes to *every* covered
 //!   decode rank (MLA whole, GQA at the rank's head slot, so replicated decode heads are filled too), and
 //!   when several prefill ranks hold the same heads for one decode rank only the first of them writes them.
+//! * **Coalescing.** By default every attention region that is dense on both sides gets chunk rows appended
+//!   to its tables, and a run of consecutive unit pairs becomes one id pair per power-of-two chunk (see
+//!   [`super::coalesce`]); [`PeerPlan::with_coalescing`] with `false` gives the reference tables and ids.
 //! * **Addresses** stay `u64` and are never dereferenced; `moves` resolves ids back to byte ranges so a plan
 //!   can be checked independently of how descriptors are indexed.
 
+use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts, MAX_CHUNK_LOG2};
 use super::descs::DescTable;
 use super::meta::{AgentMeta, TransferMode};
 use super::plan_error::{mismatch, PlanError, Side};
@@ -110,6 +114,8 @@ pub struct PeerPlan {
     local: IdSpace,
     remote: IdSpace,
     routes: Vec<Route>,
+    /// Per region, the chunk rows of the local and of the remote tables (both `Some`, or both `None`).
+    chunks: Vec<Option<(ChunkStarts, ChunkStarts)>>,
 }
 
 const ID_LIMIT: u64 = i32::MAX as u64;
@@ -153,6 +159,24 @@ impl PeerPlan {
     /// handshake targets, mismatched modes, regions, groups, pages or SSM state sizes, unsupported
     /// combinations, or tables too large for int32 descriptor ids.
     pub fn new(local: &RegionTable, remotes: &[AgentMeta], mode: TransferMode) -> Result<PeerPlan, PlanError> {
+        PeerPlan::with_coalescing(local, remotes, mode, true)
+    }
+
+    /// [`PeerPlan::new`], choosing whether runs of consecutive units are coalesced into chunk descriptors.
+    ///
+    /// With `coalesce` false the tables have no chunk rows and every plan has one id pair per unit (the
+    /// reference vectors; what NIXL < 1.5 users expanding tables to `(N, 3)` want). With `true` (the
+    /// default of [`PeerPlan::new`]) coalescing is still skipped when the chunk rows would push a table past
+    /// the int32 id range.
+    ///
+    /// # Errors
+    /// As [`PeerPlan::new`].
+    pub fn with_coalescing(
+        local: &RegionTable,
+        remotes: &[AgentMeta],
+        mode: TransferMode,
+        coalesce: bool,
+    ) -> Result<PeerPlan, PlanError> {
         let Some(first) = remotes.first() else {
             return Err(PlanError::RemoteRanks {
                 given: Vec::new(),
@@ -254,6 +278,17 @@ impl PeerPlan {
             local_tables.push((TableKey::Split(i), split_table(&base, &replicated, &l_counts, *piece)?));
         }
         local_tables.insert(0, (base_key, base));
+        let chunks = if coalesce {
+            add_chunk_rows(
+                &mut local_tables,
+                &mut remote_tables,
+                &region_groups,
+                (&local_space, &l_counts),
+                (&remote_space, &r_counts),
+            )
+        } else {
+            vec![None; region_groups.len()]
+        };
         Ok(PeerPlan {
             mode,
             mapping,
@@ -267,7 +302,13 @@ impl PeerPlan {
             local: local_space,
             remote: remote_space,
             routes,
+            chunks,
         })
+    }
+
+    /// Whether some region's runs are coalesced into chunk descriptors (its tables have chunk rows).
+    pub fn coalesced(&self) -> bool {
+        self.chunks.iter().any(Option::is_some)
     }
 
     /// The local table of `key`.
@@ -397,6 +438,10 @@ impl PeerPlan {
         for (r, gs) in self.region_groups.iter().enumerate() {
             for &g in gs.iter().filter(|&&g| mask[g]) {
                 let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
+                if let Some((lc, rc)) = &self.chunks[r] {
+                    emit_coalesced((&l_units[g], ls, lc), (&r_units[g], rs, rc), lo, ro);
+                    continue;
+                }
                 lo.extend(l_units[g].iter().map(|&u| (ls + u) as i32));
                 ro.extend(r_units[g].iter().map(|&u| (rs + u) as i32));
             }
@@ -462,6 +507,88 @@ impl PeerPlan {
             out.push([la, ra, ll]);
         }
         Ok(out)
+    }
+}
+
+/// Append chunk rows to every table for the regions that host attention and are dense in every local and
+/// every remote table; returns the per-region chunk starts (none at all when a table would outgrow int32
+/// ids, the tables then left as they were).
+fn add_chunk_rows(
+    local_tables: &mut [(TableKey, DescTable)],
+    remote_tables: &mut [(u32, DescTable)],
+    region_groups: &[Vec<usize>],
+    (l_space, l_counts): (&IdSpace, &[u64]),
+    (r_space, r_counts): (&IdSpace, &[u64]),
+) -> Vec<Option<(ChunkStarts, ChunkStarts)>> {
+    let none = || vec![None; region_groups.len()];
+    let mask: Vec<bool> = (0..region_groups.len())
+        .map(|r| {
+            !region_groups[r].is_empty()
+                && local_tables
+                    .iter()
+                    .all(|(_, t)| dense_row(t, l_space.region_start[r], l_counts[r]).is_some())
+                && remote_tables
+                    .iter()
+                    .all(|(_, t)| dense_row(t, r_space.region_start[r], r_counts[r]).is_some())
+        })
+        .collect();
+    if !mask.contains(&true) {
+        return none();
+    }
+    let local: Vec<_> = local_tables
+        .iter()
+        .map(|(_, t)| with_chunk_rows(t, &l_space.region_start, l_counts, &mask))
+        .collect();
+    let remote: Vec<_> = remote_tables
+        .iter()
+        .map(|(_, t)| with_chunk_rows(t, &r_space.region_start, r_counts, &mask))
+        .collect();
+    if local.iter().chain(&remote).any(|(t, _)| t.len() > ID_LIMIT) {
+        return none();
+    }
+    // Chunk starts depend only on the region counts, so every local (and every remote) table has the same.
+    let chunks = local[0]
+        .1
+        .iter()
+        .zip(&remote[0].1)
+        .map(|(l, r)| l.clone().zip(r.clone()))
+        .collect();
+    for ((_, t), (c, _)) in local_tables.iter_mut().zip(local) {
+        *t = c;
+    }
+    for ((_, t), (c, _)) in remote_tables.iter_mut().zip(remote) {
+        *t = c;
+    }
+    chunks
+}
+
+/// Ids of one region's paired unit lists: every run of units consecutive on both sides is covered greedily by
+/// the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits, anything else is one id per unit.
+fn emit_coalesced(
+    (l, ls, lc): (&[u64], u64, &ChunkStarts),
+    (r, rs, rc): (&[u64], u64, &ChunkStarts),
+    lo: &mut Vec<i32>,
+    ro: &mut Vec<i32>,
+) {
+    let max = 1usize << MAX_CHUNK_LOG2;
+    let n = l.len().min(r.len());
+    let mut i = 0;
+    while i < n {
+        let (l0, r0) = (l[i], r[i]);
+        let cap = max.min(n - i);
+        let mut m = 1;
+        while m < cap && l[i + m] == l0 + m as u64 && r[i + m] == r0 + m as u64 {
+            m += 1;
+        }
+        let j = m.ilog2();
+        if j == 0 {
+            lo.push((ls + l0) as i32);
+            ro.push((rs + r0) as i32);
+        } else {
+            lo.push(lc.id(l0, j) as i32);
+            ro.push(rc.id(r0, j) as i32);
+        }
+        i += 1 << j;
     }
 }
 
