@@ -33,6 +33,8 @@ pub mod fixtures;
 mod natural;
 
 #[cfg(test)]
+mod coalesce_tests;
+#[cfg(test)]
 mod oracle_tests;
 #[cfg(test)]
 mod plan_tests;
