@@ -143,10 +143,16 @@ class Plan:
 class PeerPlan:
     """TP mapping and descriptor tables of one local rank against one peer engine."""
 
-    def __new__(cls, local: RegionTable, remotes: list[str], mode: str = "pull") -> PeerPlan:
-        """``remotes``: metadata JSON of every handshaked remote rank; raises ``PlanError``."""
+    def __new__(cls, local: RegionTable, remotes: list[str], mode: str = "pull", *, coalesce: bool = True) -> PeerPlan:
+        """``remotes``: metadata JSON of every handshaked remote rank; raises ``PlanError``.
+
+        ``coalesce``: chunk rows for dense attention regions and one id per power-of-two run of consecutive
+        blocks (nixl >= 1.5 strided tables); ``False`` gives the reference tables, one id per unit.
+        """
     @property
     def mode(self) -> str: ...
+    @property
+    def coalesced(self) -> bool: ...
     @property
     def tp_ratio(self) -> int: ...
     @property
@@ -164,7 +170,7 @@ class PeerPlan:
     def plan(self, local_ids: list[list[int]], remote_ids: list[list[int]]) -> Plan:
         """Plan one request from each side's logical block ids per group; raises ``PlanError``."""
 
-def plan_scenario(scenario_json: str, *, moves: bool = True) -> str:
+def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> str:
     """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""
 
 def check_scenario(scenario_json: str) -> str:
