@@ -418,12 +418,26 @@ impl PeerPlan {
 
     /// Region-major ids of the groups in `mask`.
     fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>], lo: &mut Vec<i32>, ro: &mut Vec<i32>) {
+        // The runs of a group are the same in every region: cut them into chunks once per group.
+        let coalesced = self.chunks.iter().any(Option::is_some);
+        let runs: Vec<Vec<Run>> = (0..self.groups.len())
+            .map(|g| {
+                if coalesced && mask[g] && self.groups[g].is_attention() {
+                    runs(&l_units[g], &r_units[g])
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
         let mut n = 0;
-        for gs in &self.region_groups {
+        for (r, gs) in self.region_groups.iter().enumerate() {
             n += gs
                 .iter()
                 .filter(|&&g| mask[g])
-                .map(|&g| l_units[g].len())
+                .map(|&g| match self.chunks[r] {
+                    Some(_) => runs[g].len(),
+                    None => l_units[g].len(),
+                })
                 .sum::<usize>();
         }
         n += self.ssm_streams
@@ -439,7 +453,15 @@ impl PeerPlan {
             for &g in gs.iter().filter(|&&g| mask[g]) {
                 let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
                 if let Some((lc, rc)) = &self.chunks[r] {
-                    emit_coalesced((&l_units[g], ls, lc), (&r_units[g], rs, rc), lo, ro);
+                    for &Run { l, r, j } in &runs[g] {
+                        let (li, ri) = if j == 0 {
+                            (ls + l, rs + r)
+                        } else {
+                            (lc.id(l, j), rc.id(r, j))
+                        };
+                        lo.push(li as i32);
+                        ro.push(ri as i32);
+                    }
                     continue;
                 }
                 lo.extend(l_units[g].iter().map(|&u| (ls + u) as i32));
@@ -562,16 +584,20 @@ fn add_chunk_rows(
     chunks
 }
 
-/// Ids of one region's paired unit lists: every run of units consecutive on both sides is covered greedily by
-/// the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits, anything else is one id per unit.
-fn emit_coalesced(
-    (l, ls, lc): (&[u64], u64, &ChunkStarts),
-    (r, rs, rc): (&[u64], u64, &ChunkStarts),
-    lo: &mut Vec<i32>,
-    ro: &mut Vec<i32>,
-) {
+/// `2^j` units starting at local unit `l` and remote unit `r` (`j == 0`: one unit, a plain id).
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    l: u64,
+    r: u64,
+    j: u32,
+}
+
+/// A group's paired unit lists cut into chunks: every run of units consecutive on both sides is covered
+/// greedily by the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits, anything else is one unit.
+fn runs(l: &[u64], r: &[u64]) -> Vec<Run> {
     let max = 1usize << MAX_CHUNK_LOG2;
     let n = l.len().min(r.len());
+    let mut out = Vec::with_capacity(n.div_ceil(max) + 8);
     let mut i = 0;
     while i < n {
         let (l0, r0) = (l[i], r[i]);
@@ -581,15 +607,10 @@ fn emit_coalesced(
             m += 1;
         }
         let j = m.ilog2();
-        if j == 0 {
-            lo.push((ls + l0) as i32);
-            ro.push((rs + r0) as i32);
-        } else {
-            lo.push(lc.id(l0, j) as i32);
-            ro.push(rc.id(r0, j) as i32);
-        }
+        out.push(Run { l: l0, r: r0, j });
         i += 1 << j;
     }
+    out
 }
 
 impl Plan {
