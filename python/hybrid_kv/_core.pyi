@@ -67,10 +67,10 @@ class RegionTable:
     def registration(self) -> npt.NDArray[np.uint64]:
         """Registration descriptors ``(addr, bytes, device)``, shape ``(R, 3)``."""
 
-    def local_descs(self, bsr: int = 1) -> npt.NDArray[np.uint64]:
+    def local_descs(self, bsr: int = 1, *, coalesce: bool = False) -> npt.NDArray[np.uint64]:
         """Local descriptor table ``(addr, len, device)``, shape ``(N, 3)``."""
 
-    def local_rows(self, bsr: int = 1) -> npt.NDArray[np.uint64]:
+    def local_rows(self, bsr: int = 1, *, coalesce: bool = False) -> npt.NDArray[np.uint64]:
         """Local descriptor table as strided rows ``(addr, len, device, stride, count)``, shape ``(rows, 5)``."""
 
     def agent_meta_json(self, engine_info_json: str) -> str:

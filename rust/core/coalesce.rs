@@ -20,13 +20,17 @@
 //! The planner walks a region's paired local and remote unit lists and, where both are consecutive and the
 //! region is dense on *both* sides, greedily covers the run with the largest chunk `2^j <= remaining`
 //! (same `j` on both sides, so pairs keep equal lengths); everything else stays one id per unit. Chunk rows
-//! are only added for regions coalesced on both sides, and identically to every local table (base and
-//! split: split tables only keep MLA-replicated rows whole, head-sharded split rows are not dense), so a
-//! request's local ids stay valid in whichever local table a transfer names. SSM streams never get chunk
-//! rows. `PeerPlan::with_coalescing(.., false)` builds the reference tables and ids (one id per unit, no
+//! are added to the base local table for every dense attention region (so it depends on the local rank
+//! alone and can be prepped before any handshake: [`RegionTable::coalesced_local_table`]), to split tables
+//! for the regions dense in all of them (MLA, kept whole; head-sharded split rows are not dense), and to
+//! remote tables for the regions dense there and in the local tables the routes use. SSM streams never get
+//! chunk rows. `PeerPlan::with_coalescing(.., false)` builds the reference tables and ids (one id per unit, no
 //! extra rows) for NIXL < 1.5 users, whose flat `(N, 3)` tables would otherwise grow `J + 1` times.
 
 use super::descs::{DescTable, StridedRow};
+use super::error::LayoutError;
+use super::region::RegionTable;
+use super::remote::hosts_attention;
 
 /// Largest chunk is `2^MAX_CHUNK_LOG2` = 64 units.
 ///
@@ -108,6 +112,35 @@ pub fn with_chunk_rows(
         starts.push(Some(ChunkStarts(s)));
     }
     (DescTable::new(rows, table.num_fa), starts)
+}
+
+impl RegionTable {
+    /// [`RegionTable::local_table`] with chunk rows for every attention region whose units are dense in it.
+    ///
+    /// This is the base local table of every coalescing [`PeerPlan`](super::plan::PeerPlan) at this `bsr`
+    /// (unless its tables would outgrow int32 ids): it depends on the local rank alone, so it can be prepped
+    /// once before any handshake.
+    ///
+    /// # Errors
+    /// As [`RegionTable::local_table`].
+    pub fn coalesced_local_table(&self, bsr: u64) -> Result<DescTable, LayoutError> {
+        let table = self.local_table(bsr)?;
+        let counts: Vec<u64> = self.regions.iter().map(|r| r.num_blocks * bsr).collect();
+        let starts: Vec<u64> = counts
+            .iter()
+            .scan(0, |acc, c| {
+                let s = *acc;
+                *acc += c;
+                Some(s)
+            })
+            .collect();
+        let eligible: Vec<bool> = self
+            .regions
+            .iter()
+            .map(|r| hosts_attention(r.group, &self.groups))
+            .collect();
+        Ok(with_chunk_rows(&table, &starts, &counts, &eligible).0)
+    }
 }
 
 #[cfg(test)]

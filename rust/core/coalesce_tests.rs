@@ -190,10 +190,16 @@ fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
                 Deployment::build_with(&s, false).unwrap(),
             );
             let whole = attn == "mla" || p == d;
-            for (pc, pr) in c.peers.iter().zip(&r.peers) {
+            let locals = if mode == "pull" { &c.decode } else { &c.prefill };
+            for (i, (pc, pr)) in c.peers.iter().zip(&r.peers).enumerate() {
                 assert_eq!(pc.coalesced(), whole, "{attn} P{p} D{d} {mode}");
-                // 126 chunk rows per table for each of the 2 attention regions when kept whole, else none.
-                for (tc, tr) in tables(pc).zip(tables(pr)) {
+                // The base table depends on the local rank alone: chunk rows for both dense attention regions.
+                let base = &pc.local_tables[0].1;
+                assert_eq!(base, &locals[i].table.coalesced_local_table(1).unwrap());
+                assert_eq!(base.rows.len() - pr.local_tables[0].1.rows.len(), 2 * 126);
+                // Split and remote tables: 126 chunk rows per attention region when it is kept whole, else none.
+                let others = tables(pc).skip(1).zip(tables(pr).skip(1));
+                for (tc, tr) in others {
                     let added = tc.rows.len() - tr.rows.len();
                     assert_eq!(added, if whole { 2 * 126 } else { 0 }, "{attn} P{p} D{d} {mode}");
                 }

@@ -532,9 +532,12 @@ impl PeerPlan {
     }
 }
 
-/// Append chunk rows to every table for the regions that host attention and are dense in every local and
-/// every remote table; returns the per-region chunk starts (none at all when a table would outgrow int32
-/// ids, the tables then left as they were).
+/// Append chunk rows: to the base local table for every attention region dense in it (so the base table
+/// depends on the local rank alone and can be prepped before any handshake, see
+/// [`RegionTable::coalesced_local_table`]), to the split tables for the attention regions dense in all of
+/// them (MLA, kept whole), and to the remote tables for the regions dense there and in the local tables the
+/// routes use. Returns the per-region chunk starts of the regions coalesced on both sides (none at all when a
+/// table would outgrow int32 ids; every table is then left as it was).
 fn add_chunk_rows(
     local_tables: &mut [(TableKey, DescTable)],
     remote_tables: &mut [(u32, DescTable)],
@@ -543,37 +546,49 @@ fn add_chunk_rows(
     (r_space, r_counts): (&IdSpace, &[u64]),
 ) -> Vec<Option<(ChunkStarts, ChunkStarts)>> {
     let none = || vec![None; region_groups.len()];
-    let mask: Vec<bool> = (0..region_groups.len())
-        .map(|r| {
-            !region_groups[r].is_empty()
-                && local_tables
-                    .iter()
-                    .all(|(_, t)| dense_row(t, l_space.region_start[r], l_counts[r]).is_some())
-                && remote_tables
-                    .iter()
-                    .all(|(_, t)| dense_row(t, r_space.region_start[r], r_counts[r]).is_some())
-        })
+    let dense = |tables: &[&DescTable], starts: &[u64], counts: &[u64]| -> Vec<bool> {
+        (0..region_groups.len())
+            .map(|r| {
+                !region_groups[r].is_empty() && tables.iter().all(|t| dense_row(t, starts[r], counts[r]).is_some())
+            })
+            .collect()
+    };
+    let locals: Vec<&DescTable> = local_tables.iter().map(|(_, t)| t).collect();
+    let base_mask = dense(&locals[..1], &l_space.region_start, l_counts);
+    // Every route uses a split table when there are any, else the base table.
+    let used_mask = if locals.len() > 1 {
+        dense(&locals[1..], &l_space.region_start, l_counts)
+    } else {
+        base_mask.clone()
+    };
+    let remotes: Vec<&DescTable> = remote_tables.iter().map(|(_, t)| t).collect();
+    let remote_mask: Vec<bool> = dense(&remotes, &r_space.region_start, r_counts)
+        .iter()
+        .zip(&used_mask)
+        .map(|(&r, &l)| r && l)
         .collect();
-    if !mask.contains(&true) {
-        return none();
-    }
     let local: Vec<_> = local_tables
         .iter()
-        .map(|(_, t)| with_chunk_rows(t, &l_space.region_start, l_counts, &mask))
+        .enumerate()
+        .map(|(i, (_, t))| {
+            let mask = if i == 0 { &base_mask } else { &used_mask };
+            with_chunk_rows(t, &l_space.region_start, l_counts, mask)
+        })
         .collect();
     let remote: Vec<_> = remote_tables
         .iter()
-        .map(|(_, t)| with_chunk_rows(t, &r_space.region_start, r_counts, &mask))
+        .map(|(_, t)| with_chunk_rows(t, &r_space.region_start, r_counts, &remote_mask))
         .collect();
     if local.iter().chain(&remote).any(|(t, _)| t.len() > ID_LIMIT) {
         return none();
     }
-    // Chunk starts depend only on the region counts, so every local (and every remote) table has the same.
-    let chunks = local[0]
-        .1
+    // Chunk starts depend only on the region counts and the mask, so all split (all remote) tables agree.
+    let used = if local.len() > 1 { &local[1].1 } else { &local[0].1 };
+    let chunks = used
         .iter()
         .zip(&remote[0].1)
-        .map(|(l, r)| l.clone().zip(r.clone()))
+        .zip(&remote_mask)
+        .map(|((l, r), &m)| if m { l.clone().zip(r.clone()) } else { None })
         .collect();
     for ((_, t), (c, _)) in local_tables.iter_mut().zip(local) {
         *t = c;
