@@ -134,8 +134,9 @@ class DecodeRank:
     """The decode rank under test (in this process): pulls requests from TP-1 prefill engines.
 
     Its local table is the region table's coalesced whole-block table (chunk rows for every dense attention
-    region: what a plan against a TP-1 peer prepares, whichever peer; checked against every real plan). Every handshake is validated with ``validate_handshake``; the remote table of a
-    peer comes from a ``PeerPlan`` built from the payload it sent.
+    region: what a plan against a TP-1 peer prepares, whichever peer; checked against every real plan).
+    Every handshake is validated with ``validate_handshake``; the remote table of a peer comes from a
+    ``PeerPlan`` built from the payload it sent.
     """
 
     def __init__(self, name: str, num_blocks: int, seed: int) -> None:
