@@ -133,14 +133,15 @@ class PrefillProcess(Peer):
 class DecodeRank:
     """The decode rank under test (in this process): pulls requests from TP-1 prefill engines.
 
-    Its local table is the region table's whole-block table (what a plan against a TP-1 peer prepares; checked
-    against every real plan). Every handshake is validated with ``validate_handshake``; the remote table of a
-    peer comes from a ``PeerPlan`` built from the payload it sent.
+    Its local table is the region table's coalesced whole-block table (chunk rows for every dense attention
+    region: what a plan against a TP-1 peer prepares, whichever peer; checked against every real plan).
+    Every handshake is validated with ``validate_handshake``; the remote table of a peer comes from a
+    ``PeerPlan`` built from the payload it sent.
     """
 
     def __init__(self, name: str, num_blocks: int, seed: int) -> None:
         self.rank = KimiRank("decode", num_blocks, seed)
-        self.local = {"whole": self.rank.table.local_rows()}
+        self.local = {"whole": self.rank.table.local_rows(coalesce=True)}
         self.ep = Endpoint(name, self.rank.table.registration(), self.local)
         self.plans: dict[str, PeerPlan] = {}
 

@@ -47,12 +47,28 @@ def test_deepseek_v3_at_block_16_warns_descriptor_bound(capsys: pytest.CaptureFi
         capsys,
         "--preset", "deepseek-v3", "--prefill-tp", "1", "--decode-tp", "1",
         "--prefill-block-size", "16", "--decode-block-size", "16", "--num-blocks", "4000", "--json",
+        "--no-coalesce",
     )  # fmt: skip
     assert status == 0
     rep = json.loads(out)
     assert any("descriptor-bound" in w for w in rep["warnings"]), rep["warnings"]
     d0 = next(r for r in rep["ranks"] if r["role"] == "decode")
     assert d0["request_descriptors"] == 61 * 2048  # 61 regions x 32768/16 kernel blocks (reference H)
+
+
+def test_deepseek_v3_at_block_16_coalesced_is_not_descriptor_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--preset", "deepseek-v3", "--prefill-tp", "1", "--decode-tp", "1", "--prefill-block-size", "16"]
+    args += ["--decode-block-size", "16", "--num-blocks", "4000", "--json"]
+    reports = []
+    for extra in ([], ["--no-coalesce"]):
+        status, out, _ = run(capsys, *args, *extra)
+        assert status == 0
+        reports.append(json.loads(out))
+    coalesced, reference = reports
+    assert not any("descriptor-bound" in w for w in coalesced["warnings"]), coalesced["warnings"]
+    d0, r0 = (next(r for r in rep["ranks"] if r["role"] == "decode") for rep in reports)
+    assert d0["request_descriptors"] == 61 * 2048 // 64  # one 64-block chunk per 64 kernel blocks
+    assert d0["request_bytes"] == r0["request_bytes"]
 
 
 def test_incompatible_deployment_is_a_report_with_reasons(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,11 +44,16 @@ def meta_json(table: RegionTable, mode: str = "pull") -> str:
 T0, T1 = 0x1000, 0x10000
 
 
-@pytest.fixture
-def peer() -> PeerPlan:
+def f2_peer(coalesce: bool) -> PeerPlan:
     local = build_region_table(f2_layout((T0, T1)))
     remote = build_region_table(f2_layout((0x90000, 0xA0000)))
-    return PeerPlan(local, [meta_json(remote)], "pull")
+    return PeerPlan(local, [meta_json(remote)], "pull", coalesce=coalesce)
+
+
+@pytest.fixture
+def peer() -> PeerPlan:
+    """The reference peer plan: no chunk rows, one descriptor id per kernel unit."""
+    return f2_peer(coalesce=False)
 
 
 def test_f2_request_ids_are_int32_and_match_the_reference(peer: PeerPlan) -> None:
@@ -77,6 +83,29 @@ def test_tables_are_uint64_nx3_and_nx5(peer: PeerPlan) -> None:
         peer.remote_descs(3)
     with pytest.raises(PlanError, match="table key"):
         peer.local_descs("nope")
+
+
+def test_coalesced_plans_move_the_reference_bytes_in_fewer_ids(peer: PeerPlan) -> None:
+    coalesced = f2_peer(coalesce=True)
+    assert coalesced.coalesced and not peer.coalesced
+    ref_rows, rows = peer.local_rows("whole"), coalesced.local_rows("whole")
+    assert np.array_equal(rows[: len(ref_rows)], ref_rows), "chunk rows are appended, existing ids stay valid"
+    assert rows.shape[0] > ref_rows.shape[0] and bool((rows[:, 1] <= rows[:, 3]).all())
+    ref, plan = peer.plan([[1], [2], [3]], [[0], [1], [2]]), coalesced.plan([[1], [2], [3]], [[0], [1], [2]])
+    t, r = plan.transfers[0], ref.transfers[0]
+    assert len(t.local_ids) == len(r.local_ids) - 2 and t.local_ids[4:].tolist() == r.local_ids[6:].tolist()
+
+    def merged(moves: npt.NDArray[np.uint64]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for la, ra, n in sorted(moves.tolist()):
+            if out and out[-1][0] + out[-1][2] == la and out[-1][1] + out[-1][2] == ra:
+                out[-1][2] += n
+            else:
+                out.append([la, ra, n])
+        return out
+
+    assert merged(plan.moves(0)) == merged(ref.moves(0))
+    assert int(plan.moves(0)[:, 2].sum()) == int(ref.moves(0)[:, 2].sum())
 
 
 def test_moves_resolve_to_equal_length_byte_ranges(peer: PeerPlan) -> None:
@@ -121,9 +150,11 @@ def test_peer_plan_construction_errors() -> None:
     ids=st.permutations(list(range(8))).map(lambda p: p[:5]),
     remote=st.permutations(list(range(8))).map(lambda p: p[:5]),
 )
-def test_moves_stay_inside_the_request_blocks(ids: list[int], remote: list[int]) -> None:
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_moves_stay_inside_the_request_blocks(ids: list[int], remote: list[int], coalesce: bool) -> None:
     local = build_region_table(f2_layout((T0, T1), 8))
-    peer = PeerPlan(local, [meta_json(build_region_table(f2_layout((0x90000, 0xA0000), 8)))], "pull")
+    remote_meta = meta_json(build_region_table(f2_layout((0x90000, 0xA0000), 8)))
+    peer = PeerPlan(local, [remote_meta], "pull", coalesce=coalesce)
     local_ids = [ids[:2], [ids[2]], [ids[3]]]
     plan = peer.plan(local_ids, [remote[:2], [remote[2]], [remote[3]]])
     blocks = set(ids[:4])
@@ -131,8 +162,13 @@ def test_moves_stay_inside_the_request_blocks(ids: list[int], remote: list[int])
     for i in range(len(plan)):
         for la, _, n in plan.moves(i).tolist():
             base = T1 if la >= T1 else T0
+            span = set(range(la, la + n))
+            if coalesce:  # a chunk may span adjacent request blocks; every byte stays in one of them
+                assert {(a - base) // F2_PAGE for a in span} <= blocks
+                assert not span & seen
+                seen |= span
+                continue
             block = (la - base) // F2_PAGE
             assert block in blocks and (la + n - 1 - base) // F2_PAGE == block
-            span = set(range(la, la + n))
             assert not span & seen
             seen |= span

@@ -67,10 +67,10 @@ class RegionTable:
     def registration(self) -> npt.NDArray[np.uint64]:
         """Registration descriptors ``(addr, bytes, device)``, shape ``(R, 3)``."""
 
-    def local_descs(self, bsr: int = 1) -> npt.NDArray[np.uint64]:
+    def local_descs(self, bsr: int = 1, *, coalesce: bool = False) -> npt.NDArray[np.uint64]:
         """Local descriptor table ``(addr, len, device)``, shape ``(N, 3)``."""
 
-    def local_rows(self, bsr: int = 1) -> npt.NDArray[np.uint64]:
+    def local_rows(self, bsr: int = 1, *, coalesce: bool = False) -> npt.NDArray[np.uint64]:
         """Local descriptor table as strided rows ``(addr, len, device, stride, count)``, shape ``(rows, 5)``."""
 
     def agent_meta_json(self, engine_info_json: str) -> str:
@@ -143,10 +143,16 @@ class Plan:
 class PeerPlan:
     """TP mapping and descriptor tables of one local rank against one peer engine."""
 
-    def __new__(cls, local: RegionTable, remotes: list[str], mode: str = "pull") -> PeerPlan:
-        """``remotes``: metadata JSON of every handshaked remote rank; raises ``PlanError``."""
+    def __new__(cls, local: RegionTable, remotes: list[str], mode: str = "pull", *, coalesce: bool = True) -> PeerPlan:
+        """``remotes``: metadata JSON of every handshaked remote rank; raises ``PlanError``.
+
+        ``coalesce``: chunk rows for dense attention regions and one id per power-of-two run of consecutive
+        blocks (nixl >= 1.5 strided tables); ``False`` gives the reference tables, one id per unit.
+        """
     @property
     def mode(self) -> str: ...
+    @property
+    def coalesced(self) -> bool: ...
     @property
     def tp_ratio(self) -> int: ...
     @property
@@ -164,7 +170,7 @@ class PeerPlan:
     def plan(self, local_ids: list[list[int]], remote_ids: list[list[int]]) -> Plan:
         """Plan one request from each side's logical block ids per group; raises ``PlanError``."""
 
-def plan_scenario(scenario_json: str, *, moves: bool = True) -> str:
+def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> str:
     """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""
 
 def check_scenario(scenario_json: str) -> str:

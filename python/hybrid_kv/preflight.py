@@ -97,9 +97,11 @@ def preflight(
     num_blocks: int | None = None,
     prefill_block_size: int | None = None,
     decode_block_size: int | None = None,
+    coalesce: bool = True,
 ) -> Report:
     """Build the report. Bad arguments (unknown preset, non-positive sizes) raise ``HybridKvError``;
-    an incompatible deployment is a report with ``compatible=False`` and its reasons."""
+    an incompatible deployment is a report with ``compatible=False`` and its reasons. ``coalesce=False``
+    costs the reference plans (no chunk rows, one descriptor per kernel unit; what nixl < 1.5 users run)."""
     from ._core import handshake_target_ranks
     from .demo.planning import RankPlanner
 
@@ -175,7 +177,7 @@ def preflight(
                     + (f" ({detail})" if detail else "")
                 )
         try:
-            planner = RankPlanner(table, {t: payloads[passive][t] for t in targets}, mode)
+            planner = RankPlanner(table, {t: payloads[passive][t] for t in targets}, mode, coalesce=coalesce)
         except HybridKvError as exc:
             report.reasons.append(f"{active} rank {r}: {exc}")
             continue
@@ -253,6 +255,11 @@ def add_preset_arguments(p: Any) -> None:
     g.add_argument("--num-blocks", type=int, metavar="N", help="logical blocks per pool (overrides --kv-gib)")
     g.add_argument("--prefill-block-size", type=int, metavar="K", help="prefill kernel block (default: preset's)")
     g.add_argument("--decode-block-size", type=int, metavar="K", help="decode kernel block (default: preset's)")
+    g.add_argument(
+        "--no-coalesce",
+        action="store_true",
+        help="cost one descriptor per kernel unit, without chunk rows (the plans nixl < 1.5 users get)",
+    )
 
 
 def run_preset(args: Any) -> int:
@@ -271,6 +278,7 @@ def run_preset(args: Any) -> int:
         num_blocks=args.num_blocks,
         prefill_block_size=args.prefill_block_size,
         decode_block_size=args.decode_block_size,
+        coalesce=not getattr(args, "no_coalesce", False),
     )
     if getattr(args, "json", False):
         print(json.dumps(report.to_dict(), indent=2))

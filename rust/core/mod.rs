@@ -1,6 +1,7 @@
 //! The pure planning core: plain integers in, plain integers out; it never dereferences an address.
 #![forbid(unsafe_code)]
 
+pub mod coalesce;
 pub mod descs;
 pub mod error;
 pub mod handshake;
@@ -31,6 +32,8 @@ pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec}
 pub mod fixtures;
 mod natural;
 
+#[cfg(test)]
+mod coalesce_tests;
 #[cfg(test)]
 mod oracle_tests;
 #[cfg(test)]

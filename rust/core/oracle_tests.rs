@@ -155,7 +155,9 @@ fn junk(side: u64, rank: u64, t: usize, len: usize) -> Vec<u8> {
 }
 
 /// Run the scenario through the planner and the byte simulation; panic on any difference.
-fn simulate(s: &Scenario) {
+/// Simulate `s` with the default (coalesced) plans; returns whether some plan used chunk descriptors (fewer
+/// id pairs than the reference plans).
+fn simulate(s: &Scenario) -> bool {
     let dep = Deployment::build(s).unwrap_or_else(|e| panic!("build: {e}\n{}", serde_json::to_string(s).unwrap()));
     let plans = dep
         .plan_all()
@@ -303,6 +305,15 @@ fn simulate(s: &Scenario) {
             }
         }
     }
+    let ids = |plans: &[super::scenario::RankPlan]| -> usize {
+        plans
+            .iter()
+            .flat_map(|p| &p.plan.transfers)
+            .map(|t| t.local_ids.len())
+            .sum()
+    };
+    let reference = Deployment::build_with(s, false).unwrap().plan_all().unwrap();
+    ids(&plans) < ids(&reference)
 }
 
 /// Model families of the oracle.
@@ -415,6 +426,7 @@ prop_compose! {
         kernels in (prop::sample::select(vec![2u64, 4, 8]), prop::sample::select(vec![2u64, 4, 8])),
         extra_ppl in (0u64..2, 0u64..2),
         push in any::<bool>(),
+        contiguous in any::<bool>(),
         seed in any::<u64>(),
     ) -> Scenario {
         let (ptp, dtp) = tps;
@@ -450,7 +462,9 @@ prop_compose! {
             }
             counts.push(c);
         }
-        // Block ids: a permutation of a small prime-sized pool per engine, so ids are scattered but distinct.
+        // Block ids: a permutation of a small prime-sized pool per engine, so ids are scattered but distinct;
+        // or (contiguous) ascending runs that wrap around the pool, so dense regions plan chunk descriptors.
+        let step = if contiguous { 1 } else { 3 };
         let prime = |n: u64| [11u64, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 79, 83, 89, 97, 101]
             .into_iter().find(|&p| p >= n).unwrap_or(127);
         let (pn, dn) = (prime(counts.iter().flatten().map(|c| c.0).sum()), prime(counts.iter().flatten().map(|c| c.1).sum()));
@@ -458,8 +472,8 @@ prop_compose! {
         let requests = counts.iter().enumerate().map(|(r, c)| {
             let (mut pg, mut dg) = (Vec::new(), Vec::new());
             for &(np, nd) in c {
-                pg.push((pi..pi + np).map(|b| b * 3 % pn).collect::<Vec<_>>());
-                dg.push((di..di + nd).map(|b| b * 3 % dn).collect::<Vec<_>>());
+                pg.push((pi..pi + np).map(|b| b * step % pn).collect::<Vec<_>>());
+                dg.push((di..di + nd).map(|b| b * step % dn).collect::<Vec<_>>());
                 pi += np;
                 di += nd;
             }
@@ -476,14 +490,64 @@ prop_compose! {
     }
 }
 
+/// 160 random deployments, or `PROPTEST_CASES` when set (e.g. 1000 for a longer run).
+fn oracle_cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(160)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: oracle_cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Random deployments of every family, both modes, any TP pair, mixed kernel blocks and prefix hits.
     #[test]
     fn oracle_random_deployments(s in scenario()) {
         simulate(&s);
     }
+}
+
+/// Contiguous requests on dense pure-MLA and pure-GQA tensors at every TP pair, both modes: chunk descriptors
+/// are used where the regions are dense and whole on both sides, and the bytes are still exactly right.
+#[test]
+fn oracle_contiguous_requests_use_chunks() {
+    let mut chunked = 0;
+    for fam in [Family::PureMla, Family::PureGqa] {
+        for (ptp, dtp) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)] {
+            for mode in [TransferMode::Pull, TransferMode::Push] {
+                let m = model(fam, 2);
+                let n = m.groups.len();
+                // Several GQA heads per rank cannot be cut into smaller units: equal kernels for GQA.
+                let dk = if matches!(fam, Family::PureMla) { 2 } else { 4 };
+                let req = Request {
+                    id: "r".into(),
+                    prefill: (0..n as u64).map(|g| (20 * g + 1..20 * g + 12).collect()).collect(),
+                    decode: (0..n as u64).map(|g| (20 * g + 3..20 * g + 14).collect()).collect(),
+                };
+                let s = Scenario {
+                    name: None,
+                    model: m,
+                    prefill: Engine {
+                        tp_size: ptp,
+                        logical_block_size: 4,
+                        kernel_block_size: 4,
+                        num_blocks: 48,
+                    },
+                    decode: Engine {
+                        tp_size: dtp,
+                        logical_block_size: 4,
+                        kernel_block_size: dk,
+                        num_blocks: 48,
+                    },
+                    mode,
+                    requests: vec![req],
+                };
+                chunked += usize::from(simulate(&s));
+            }
+        }
+    }
+    assert!(chunked >= 10, "{chunked} of 20 deployments used chunk descriptors");
 }
 
 /// The F.2-scale hybrid MLA pull at every TP pair, deterministically.

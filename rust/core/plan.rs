@@ -15,9 +15,13 @@
 //!   Push differs on purpose where vLLM would double-write or skip bytes: attention goes to *every* covered
 //!   decode rank (MLA whole, GQA at the rank's head slot, so replicated decode heads are filled too), and
 //!   when several prefill ranks hold the same heads for one decode rank only the first of them writes them.
+//! * **Coalescing.** By default every attention region that is dense on both sides gets chunk rows appended
+//!   to its tables, and a run of consecutive unit pairs becomes one id pair per power-of-two chunk (see
+//!   [`super::coalesce`]); [`PeerPlan::with_coalescing`] with `false` gives the reference tables and ids.
 //! * **Addresses** stay `u64` and are never dereferenced; `moves` resolves ids back to byte ranges so a plan
 //!   can be checked independently of how descriptors are indexed.
 
+use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts, MAX_CHUNK_LOG2};
 use super::descs::DescTable;
 use super::meta::{AgentMeta, TransferMode};
 use super::plan_error::{mismatch, PlanError, Side};
@@ -110,6 +114,8 @@ pub struct PeerPlan {
     local: IdSpace,
     remote: IdSpace,
     routes: Vec<Route>,
+    /// Per region, the chunk rows of the local and of the remote tables (both `Some`, or both `None`).
+    chunks: Vec<Option<(ChunkStarts, ChunkStarts)>>,
 }
 
 const ID_LIMIT: u64 = i32::MAX as u64;
@@ -153,6 +159,24 @@ impl PeerPlan {
     /// handshake targets, mismatched modes, regions, groups, pages or SSM state sizes, unsupported
     /// combinations, or tables too large for int32 descriptor ids.
     pub fn new(local: &RegionTable, remotes: &[AgentMeta], mode: TransferMode) -> Result<PeerPlan, PlanError> {
+        PeerPlan::with_coalescing(local, remotes, mode, true)
+    }
+
+    /// [`PeerPlan::new`], choosing whether runs of consecutive units are coalesced into chunk descriptors.
+    ///
+    /// With `coalesce` false the tables have no chunk rows and every plan has one id pair per unit (the
+    /// reference vectors; what NIXL < 1.5 users expanding tables to `(N, 3)` want). With `true` (the
+    /// default of [`PeerPlan::new`]) coalescing is still skipped when the chunk rows would push a table past
+    /// the int32 id range.
+    ///
+    /// # Errors
+    /// As [`PeerPlan::new`].
+    pub fn with_coalescing(
+        local: &RegionTable,
+        remotes: &[AgentMeta],
+        mode: TransferMode,
+        coalesce: bool,
+    ) -> Result<PeerPlan, PlanError> {
         let Some(first) = remotes.first() else {
             return Err(PlanError::RemoteRanks {
                 given: Vec::new(),
@@ -254,6 +278,17 @@ impl PeerPlan {
             local_tables.push((TableKey::Split(i), split_table(&base, &replicated, &l_counts, *piece)?));
         }
         local_tables.insert(0, (base_key, base));
+        let chunks = if coalesce {
+            add_chunk_rows(
+                &mut local_tables,
+                &mut remote_tables,
+                &region_groups,
+                (&local_space, &l_counts),
+                (&remote_space, &r_counts),
+            )
+        } else {
+            vec![None; region_groups.len()]
+        };
         Ok(PeerPlan {
             mode,
             mapping,
@@ -267,7 +302,13 @@ impl PeerPlan {
             local: local_space,
             remote: remote_space,
             routes,
+            chunks,
         })
+    }
+
+    /// Whether some region's runs are coalesced into chunk descriptors (its tables have chunk rows).
+    pub fn coalesced(&self) -> bool {
+        self.chunks.iter().any(Option::is_some)
     }
 
     /// The local table of `key`.
@@ -377,12 +418,26 @@ impl PeerPlan {
 
     /// Region-major ids of the groups in `mask`.
     fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>], lo: &mut Vec<i32>, ro: &mut Vec<i32>) {
+        // The runs of a group are the same in every region: cut them into chunks once per group.
+        let coalesced = self.chunks.iter().any(Option::is_some);
+        let runs: Vec<Vec<Run>> = (0..self.groups.len())
+            .map(|g| {
+                if coalesced && mask[g] && self.groups[g].is_attention() {
+                    runs(&l_units[g], &r_units[g])
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
         let mut n = 0;
-        for gs in &self.region_groups {
+        for (r, gs) in self.region_groups.iter().enumerate() {
             n += gs
                 .iter()
                 .filter(|&&g| mask[g])
-                .map(|&g| l_units[g].len())
+                .map(|&g| match self.chunks[r] {
+                    Some(_) => runs[g].len(),
+                    None => l_units[g].len(),
+                })
                 .sum::<usize>();
         }
         n += self.ssm_streams
@@ -397,6 +452,18 @@ impl PeerPlan {
         for (r, gs) in self.region_groups.iter().enumerate() {
             for &g in gs.iter().filter(|&&g| mask[g]) {
                 let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
+                if let Some((lc, rc)) = &self.chunks[r] {
+                    for &Run { l, r, j } in &runs[g] {
+                        let (li, ri) = if j == 0 {
+                            (ls + l, rs + r)
+                        } else {
+                            (lc.id(l, j), rc.id(r, j))
+                        };
+                        lo.push(li as i32);
+                        ro.push(ri as i32);
+                    }
+                    continue;
+                }
                 lo.extend(l_units[g].iter().map(|&u| (ls + u) as i32));
                 ro.extend(r_units[g].iter().map(|&u| (rs + u) as i32));
             }
@@ -463,6 +530,102 @@ impl PeerPlan {
         }
         Ok(out)
     }
+}
+
+/// Append chunk rows: to the base local table for every attention region dense in it (so the base table
+/// depends on the local rank alone and can be prepped before any handshake, see
+/// [`RegionTable::coalesced_local_table`]), to the split tables for the attention regions dense in all of
+/// them (MLA, kept whole), and to the remote tables for the regions dense there and in the local tables the
+/// routes use. Returns the per-region chunk starts of the regions coalesced on both sides (none at all when a
+/// table would outgrow int32 ids; every table is then left as it was).
+fn add_chunk_rows(
+    local_tables: &mut [(TableKey, DescTable)],
+    remote_tables: &mut [(u32, DescTable)],
+    region_groups: &[Vec<usize>],
+    (l_space, l_counts): (&IdSpace, &[u64]),
+    (r_space, r_counts): (&IdSpace, &[u64]),
+) -> Vec<Option<(ChunkStarts, ChunkStarts)>> {
+    let none = || vec![None; region_groups.len()];
+    let dense = |tables: &[&DescTable], starts: &[u64], counts: &[u64]| -> Vec<bool> {
+        (0..region_groups.len())
+            .map(|r| {
+                !region_groups[r].is_empty() && tables.iter().all(|t| dense_row(t, starts[r], counts[r]).is_some())
+            })
+            .collect()
+    };
+    let locals: Vec<&DescTable> = local_tables.iter().map(|(_, t)| t).collect();
+    let base_mask = dense(&locals[..1], &l_space.region_start, l_counts);
+    // Every route uses a split table when there are any, else the base table.
+    let used_mask = if locals.len() > 1 {
+        dense(&locals[1..], &l_space.region_start, l_counts)
+    } else {
+        base_mask.clone()
+    };
+    let remotes: Vec<&DescTable> = remote_tables.iter().map(|(_, t)| t).collect();
+    let remote_mask: Vec<bool> = dense(&remotes, &r_space.region_start, r_counts)
+        .iter()
+        .zip(&used_mask)
+        .map(|(&r, &l)| r && l)
+        .collect();
+    let local: Vec<_> = local_tables
+        .iter()
+        .enumerate()
+        .map(|(i, (_, t))| {
+            let mask = if i == 0 { &base_mask } else { &used_mask };
+            with_chunk_rows(t, &l_space.region_start, l_counts, mask)
+        })
+        .collect();
+    let remote: Vec<_> = remote_tables
+        .iter()
+        .map(|(_, t)| with_chunk_rows(t, &r_space.region_start, r_counts, &remote_mask))
+        .collect();
+    if local.iter().chain(&remote).any(|(t, _)| t.len() > ID_LIMIT) {
+        return none();
+    }
+    // Chunk starts depend only on the region counts and the mask, so all split (all remote) tables agree.
+    let used = if local.len() > 1 { &local[1].1 } else { &local[0].1 };
+    let chunks = used
+        .iter()
+        .zip(&remote[0].1)
+        .zip(&remote_mask)
+        .map(|((l, r), &m)| if m { l.clone().zip(r.clone()) } else { None })
+        .collect();
+    for ((_, t), (c, _)) in local_tables.iter_mut().zip(local) {
+        *t = c;
+    }
+    for ((_, t), (c, _)) in remote_tables.iter_mut().zip(remote) {
+        *t = c;
+    }
+    chunks
+}
+
+/// `2^j` units starting at local unit `l` and remote unit `r` (`j == 0`: one unit, a plain id).
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    l: u64,
+    r: u64,
+    j: u32,
+}
+
+/// A group's paired unit lists cut into chunks: every run of units consecutive on both sides is covered
+/// greedily by the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits, anything else is one unit.
+fn runs(l: &[u64], r: &[u64]) -> Vec<Run> {
+    let max = 1usize << MAX_CHUNK_LOG2;
+    let n = l.len().min(r.len());
+    let mut out = Vec::with_capacity(n.div_ceil(max) + 8);
+    let mut i = 0;
+    while i < n {
+        let (l0, r0) = (l[i], r[i]);
+        let cap = max.min(n - i);
+        let mut m = 1;
+        while m < cap && l[i + m] == l0 + m as u64 && r[i + m] == r0 + m as u64 {
+            m += 1;
+        }
+        let j = m.ilog2();
+        out.push(Run { l: l0, r: r0, j });
+        i += 1 << j;
+    }
+    out
 }
 
 impl Plan {

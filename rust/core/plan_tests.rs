@@ -3,7 +3,7 @@
 use super::fixtures::{dense_memory, hybrid_mla_f2, kda_spec, mla_spec};
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
 use super::meta::{AgentMeta, EngineInfo, TransferMode};
-use super::plan::{PeerPlan, TableKey};
+use super::plan::{PeerPlan, Plan, TableKey};
 use super::plan_error::PlanError;
 use super::spec::{AttentionSpec, LayerSpec, MambaKind, SsmSpec};
 use super::RegionTable;
@@ -61,6 +61,47 @@ fn f7_remote(rank: u32) -> RankLayout {
     }
 }
 
+/// The reference peer plan: no chunk rows, one id pair per unit (the F-vectors' form).
+fn reference(local: &RegionTable, remotes: &[AgentMeta], mode: TransferMode) -> Result<PeerPlan, PlanError> {
+    PeerPlan::with_coalescing(local, remotes, mode, false)
+}
+
+/// Moves sorted and merged wherever consecutive on both sides: equal for any indexing of the same bytes.
+pub(super) fn canonical(mut moves: Vec<[u64; 3]>) -> Vec<[u64; 3]> {
+    moves.sort_unstable();
+    let mut out: Vec<[u64; 3]> = Vec::with_capacity(moves.len());
+    for m in moves {
+        match out.last_mut() {
+            Some(l) if l[0] + l[2] == m[0] && l[1] + l[2] == m[1] => l[2] += m[2],
+            _ => out.push(m),
+        }
+    }
+    out
+}
+
+/// The default (coalesced) peer plan moves exactly the reference plan's bytes for this request, in no more
+/// ids; returns the coalesced plan and its peer.
+fn check_coalesced(
+    local: &RegionTable,
+    remotes: &[AgentMeta],
+    mode: TransferMode,
+    ids: (&[Vec<u64>], &[Vec<u64>]),
+) -> (Plan, PeerPlan) {
+    let r = reference(local, remotes, mode).unwrap();
+    let c = PeerPlan::new(local, remotes, mode).unwrap();
+    let (pr, pc) = (r.plan(ids.0, ids.1).unwrap(), c.plan(ids.0, ids.1).unwrap());
+    assert_eq!(pr.transfers.len(), pc.transfers.len());
+    for (i, (tr, tc)) in pr.transfers.iter().zip(&pc.transfers).enumerate() {
+        assert_eq!((tr.remote_rank, tr.local_table), (tc.remote_rank, tc.local_table));
+        assert!(tc.local_ids.len() <= tr.local_ids.len());
+        let (mr, mc) = (pr.moves(&r, i).unwrap(), pc.moves(&c, i).unwrap());
+        let sum = |m: &[[u64; 3]]| m.iter().map(|m| m[2]).sum::<u64>();
+        assert_eq!(sum(&mr), sum(&mc));
+        assert_eq!(canonical(mr), canonical(mc));
+    }
+    (pc, c)
+}
+
 fn pairs(local: &[i32], remote: &[i32]) -> Vec<(i32, i32)> {
     let mut p: Vec<(i32, i32)> = local.iter().copied().zip(remote.iter().copied()).collect();
     p.sort_unstable();
@@ -75,7 +116,7 @@ fn f7_hetero_ppl_multi_read() {
         meta(&f7_remote(0), TransferMode::Pull),
         meta(&f7_remote(1), TransferMode::Pull),
     ];
-    let peer = PeerPlan::new(&local, &remotes, TransferMode::Pull).unwrap();
+    let peer = reference(&local, &remotes, TransferMode::Pull).unwrap();
     assert_eq!(peer.mapping.attn_ranks, vec![0]);
     assert_eq!(peer.mapping.per_group, vec![vec![0], vec![0, 1], vec![0, 1]]);
     // Split tables: FA whole, SSM halved at p * len / 2.
@@ -123,6 +164,12 @@ fn f7_hetero_ppl_multi_read() {
             );
         }
     }
+    let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![2, 5], vec![1], vec![7]], &[vec![1, 4], vec![5], vec![2]]);
+    let (c, _) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
+    assert!(
+        c.transfers[0].local_ids.len() < t0.local_ids.len(),
+        "MLA runs 6-7 and 30-31 coalesce"
+    );
 }
 
 /// F.2's example request, planned against an identical peer: MLA ids [3,4,5,15,16,17], KDA per stream.
@@ -130,7 +177,8 @@ fn f7_hetero_ppl_multi_read() {
 fn f2_example_descriptor_ids() {
     let local = RegionTable::build(&hybrid_mla_f2([T0, T1], 4)).unwrap();
     let remote = meta(&hybrid_mla_f2([0x9000, 0x90000], 4), TransferMode::Pull);
-    let peer = PeerPlan::new(&local, &[remote], TransferMode::Pull).unwrap();
+    let remotes = [remote];
+    let peer = reference(&local, &remotes, TransferMode::Pull).unwrap();
     let plan = peer
         .plan(&[vec![1], vec![2], vec![3]], &[vec![1], vec![2], vec![3]])
         .unwrap();
@@ -142,6 +190,18 @@ fn f2_example_descriptor_ids() {
     }
     assert_eq!(t.local_ids, want);
     assert_eq!(t.remote_ids, want);
+    // Coalesced: each MLA run 3,4,5 is a 2-unit chunk then unit 5; SSM ids unchanged.
+    let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![1], vec![2], vec![3]], &[vec![1], vec![2], vec![3]]);
+    let (c, peer) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
+    let t = &c.transfers[0];
+    assert_eq!((t.local_ids[1], t.local_ids[3], &t.local_ids[4..]), (5, 17, &want[6..]));
+    assert!(
+        t.local_ids[0] >= 56 && t.local_ids[2] >= 56,
+        "chunk ids follow the SSM rows"
+    );
+    let whole = peer.local_table(TableKey::Whole).unwrap();
+    assert_eq!(whole.desc(t.local_ids[0] as u64), Some((T0 + 3 * 48, 96)));
+    assert_eq!(t.local_ids, t.remote_ids);
 }
 
 fn mla_ssm(
@@ -221,12 +281,18 @@ fn f4_pure_mla_push_writes_every_d_rank() {
     let d: Vec<AgentMeta> = (0..2)
         .map(|r| meta(&mla_ssm(2, r, mla_spec(), 16, 16, 300, true), TransferMode::Push))
         .collect();
-    let peer = PeerPlan::new(&p, &d, TransferMode::Push).unwrap();
+    let peer = reference(&p, &d, TransferMode::Push).unwrap();
     let plan = peer.plan(&[vec![100, 101]], &[vec![200, 201]]).unwrap();
     let got: Vec<(u32, TableKey)> = plan.transfers.iter().map(|t| (t.remote_rank, t.local_table)).collect();
     assert_eq!(got, vec![(0, TableKey::Whole), (1, TableKey::Whole)]);
     assert_eq!(plan.transfers[0].local_ids, vec![100, 101, 400, 401]);
     assert_eq!(plan.transfers[0].remote_ids, vec![200, 201, 500, 501]);
+    let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![100, 101]], &[vec![200, 201]]);
+    let (c, _) = check_coalesced(&p, &d, TransferMode::Push, ids);
+    assert!(
+        c.transfers.iter().all(|t| t.local_ids.len() == 2),
+        "one 2-unit chunk per region"
+    );
 }
 
 /// One KV head of two one-byte elements: 16-byte kernel pages of 4 tokens.
@@ -264,7 +330,8 @@ fn one_region_fa(rank_blocks: u64) -> RankLayout {
 fn f5_push_prefix_end_trim() {
     let p = RegionTable::build(&one_region_fa(10_000)).unwrap();
     let d = meta(&one_region_fa(10_000), TransferMode::Push);
-    let peer = PeerPlan::new(&p, &[d], TransferMode::Push).unwrap();
+    let d = [d];
+    let peer = reference(&p, &d, TransferMode::Push).unwrap();
     let plan = peer.plan(&[(10..15).collect()], &[vec![500, 501]]).unwrap();
     assert_eq!(
         (
@@ -290,6 +357,15 @@ fn f5_push_prefix_end_trim() {
     ));
     let empty = peer.plan(&[vec![3]], &[vec![]]).unwrap();
     assert!(empty.transfers.is_empty() && empty.notify_ranks == vec![0]);
+    let (c, _) = check_coalesced(&p, &d, TransferMode::Push, (&[(10..15).collect()], &[vec![500, 501]]));
+    assert_eq!(c.transfers[0].local_ids.len(), 1, "13, 14 -> 500, 501 is one chunk");
+    let (c, _) = check_coalesced(
+        &p,
+        &d,
+        TransferMode::Push,
+        (&[vec![10, 11, 12]], &[vec![500, 501, 502]]),
+    );
+    assert_eq!(c.transfers[0].local_ids.len(), 2);
 }
 
 /// F.8 descriptor-id vectors through a plan: per-region group routing and per-region capacities.
@@ -318,14 +394,13 @@ fn f8_region_group_mapping_and_capacity() {
         fa("b", 0, 0x2000, 10),
         fa("c", 1, 0x3000, 10),
     ]);
-    let peer = PeerPlan::new(
-        &RegionTable::build(&three).unwrap(),
-        &[meta(&three, TransferMode::Pull)],
-        TransferMode::Pull,
-    )
-    .unwrap();
+    let (three_t, three_m) = (RegionTable::build(&three).unwrap(), [meta(&three, TransferMode::Pull)]);
+    let peer = reference(&three_t, &three_m, TransferMode::Pull).unwrap();
     let plan = peer.plan(&[vec![1, 2], vec![7]], &[vec![1, 2], vec![7]]).unwrap();
     assert_eq!(plan.transfers[0].local_ids, vec![1, 2, 11, 12, 27]);
+    let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![1, 2], vec![7]], &[vec![1, 2], vec![7]]);
+    let (c, _) = check_coalesced(&three_t, &three_m, TransferMode::Pull, ids);
+    assert_eq!(c.transfers[0].local_ids.len(), 3, "two 2-unit chunks and unit 27");
     let cap = layout(vec![fa("a", 0, 0x1000, 5), fa("b", 1, 0x2000, 10)]);
     let peer = PeerPlan::new(
         &RegionTable::build(&cap).unwrap(),

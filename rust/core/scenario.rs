@@ -457,6 +457,15 @@ impl Deployment {
     /// `Invalid` for values the format forbids, `Layout` for a rank that cannot be laid out, `Plan` for a
     /// combination that cannot be planned (naming both sides' values).
     pub fn build(s: &Scenario) -> Result<Deployment, ScenarioError> {
+        Deployment::build_with(s, true)
+    }
+
+    /// [`Deployment::build`], choosing whether the peer plans coalesce runs into chunk descriptors (see
+    /// [`PeerPlan::with_coalescing`]; `false` gives the reference one-id-per-unit plans).
+    ///
+    /// # Errors
+    /// As [`Deployment::build`].
+    pub fn build_with(s: &Scenario, coalesce: bool) -> Result<Deployment, ScenarioError> {
         let (prefill, decode) = build_engines(s)?;
         let (local, remote, local_side) = match s.mode {
             TransferMode::Pull => (&decode, &prefill, "decode"),
@@ -471,7 +480,7 @@ impl Deployment {
             };
             let targets = handshake_target_ranks(rank, l.table.tp_size, remote.len() as u32).map_err(plan_err)?;
             let metas: Vec<AgentMeta> = targets.iter().map(|&r| remote[r as usize].meta.clone()).collect();
-            peers.push(PeerPlan::new(&l.table, &metas, s.mode).map_err(plan_err)?);
+            peers.push(PeerPlan::with_coalescing(&l.table, &metas, s.mode, coalesce).map_err(plan_err)?);
         }
         Ok(Deployment {
             scenario: s.clone(),

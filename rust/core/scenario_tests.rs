@@ -11,7 +11,7 @@ const GQA_PULL: &str = include_str!("../../tests/data/scenarios/gqa_ssm_2p4d_pul
 
 #[test]
 fn f2_scenario_gives_the_reference_ids() {
-    let dep = Deployment::build(&Scenario::from_json(F2).unwrap()).unwrap();
+    let dep = Deployment::build_with(&Scenario::from_json(F2).unwrap(), false).unwrap();
     let plans = dep.plan_all().unwrap();
     let t = &plans[0].plan.transfers[0];
     let mut want: Vec<i32> = vec![3, 4, 5, 15, 16, 17];
@@ -28,6 +28,13 @@ fn f2_scenario_gives_the_reference_ids() {
             .collect::<Vec<_>>(),
         vec![48, 48]
     );
+    // Coalesced (the default): MLA units 3, 4, 5 become a 2-unit chunk and unit 5, the same bytes.
+    let dep_c = Deployment::build(&Scenario::from_json(F2).unwrap()).unwrap();
+    let c = &dep_c.plan_all().unwrap()[0].plan.transfers[0];
+    assert_eq!(c.local_ids.len(), want.len() - 2);
+    assert_eq!((c.local_ids[1], c.local_ids[3], &c.local_ids[4..]), (5, 17, &want[6..]));
+    let bytes = |dep: &Deployment, t| dep.peers[0].moves(t).unwrap().iter().map(|m| m[2]).sum::<u64>();
+    assert_eq!(bytes(&dep_c, c), bytes(&dep, t));
 }
 
 #[test]

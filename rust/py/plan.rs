@@ -61,11 +61,20 @@ impl PyPeerPlan {
     ///     local (RegionTable): this rank's region table.
     ///     remotes (list[str]): handshake metadata (JSON) of every remote rank this rank talks to.
     ///     mode (str): "pull" (local is decode) or "push" (local is prefill).
+    ///     coalesce (bool): append chunk rows to the tables of attention regions that are dense on both sides
+    ///         and plan runs of consecutive blocks as one descriptor per power-of-two chunk (needs nixl >= 1.5
+    ///         strided tables to stay small). False gives the reference tables and one id per unit.
     /// Raises:
     ///     PlanError: the two sides cannot be planned together (the message names both values).
     #[new]
-    #[pyo3(signature = (local, remotes, mode = "pull"))]
-    fn new(py: Python<'_>, local: PyRef<'_, PyRegionTable>, remotes: Vec<String>, mode: &str) -> PyResult<Self> {
+    #[pyo3(signature = (local, remotes, mode = "pull", *, coalesce = true))]
+    fn new(
+        py: Python<'_>,
+        local: PyRef<'_, PyRegionTable>,
+        remotes: Vec<String>,
+        mode: &str,
+        coalesce: bool,
+    ) -> PyResult<Self> {
         let mode = parse_mode(mode)?;
         let metas = remotes
             .iter()
@@ -76,7 +85,7 @@ impl PyPeerPlan {
             .collect::<PyResult<Vec<_>>>()?;
         let table = Arc::clone(&local.inner);
         let peer = py
-            .detach(move || PeerPlan::new(&table, &metas, mode))
+            .detach(move || PeerPlan::with_coalescing(&table, &metas, mode, coalesce))
             .map_err(PyCoreError::from)?;
         Ok(PyPeerPlan { inner: Arc::new(peer) })
     }
@@ -88,6 +97,12 @@ impl PyPeerPlan {
             TransferMode::Pull => "pull",
             TransferMode::Push => "push",
         }
+    }
+
+    /// Whether some attention region's runs are planned as chunk descriptors (its tables have chunk rows).
+    #[getter]
+    fn coalesced(&self) -> bool {
+        self.inner.coalesced()
     }
 
     /// Signed TP ratio from the local view.
@@ -328,15 +343,16 @@ impl PyPlan {
 /// Args:
 ///     scenario_json (str): the scenario.
 ///     moves (bool): resolve every descriptor pair into `[local_addr, remote_addr, len]`.
+///     coalesce (bool): plan runs of consecutive blocks as chunk descriptors (see `PeerPlan`).
 /// Raises:
 ///     PlanError: the scenario is malformed or cannot be planned.
 ///     LayoutError: a rank's layout is invalid.
 #[pyfunction]
-#[pyo3(signature = (scenario_json, *, moves = true))]
-pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool) -> PyResult<String> {
+#[pyo3(signature = (scenario_json, *, moves = true, coalesce = true))]
+pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce: bool) -> PyResult<String> {
     let text = scenario_json.to_owned();
     let out = py.detach(move || -> Result<String, ScenarioError> {
-        let dep = Deployment::build(&Scenario::from_json(&text)?)?;
+        let dep = Deployment::build_with(&Scenario::from_json(&text)?, coalesce)?;
         let r = report(&dep, moves)?;
         serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
     });

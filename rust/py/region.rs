@@ -7,13 +7,24 @@ use pyo3::prelude::*;
 
 use super::arrays::u64_matrix;
 use super::errors::{LayoutError, PyCoreError};
-use crate::core::{AgentMeta, EngineInfo, RankLayout, RegionTable};
+use crate::core::{AgentMeta, DescTable, EngineInfo, RankLayout, RegionTable};
 
 /// The region table of one rank: one region per distinct base address, MLA flags OR-merged.
 #[pyclass(frozen, name = "RegionTable", module = "hybrid_kv")]
 pub struct PyRegionTable {
     /// The immutable core table.
     pub inner: Arc<RegionTable>,
+}
+
+impl PyRegionTable {
+    fn table(&self, bsr: u64, coalesce: bool) -> PyResult<DescTable> {
+        let t = if coalesce {
+            self.inner.coalesced_local_table(bsr)
+        } else {
+            self.inner.local_table(bsr)
+        };
+        Ok(t.map_err(PyCoreError::from)?)
+    }
 }
 
 #[pymethods]
@@ -93,11 +104,14 @@ impl PyRegionTable {
 
     /// The local descriptor table as an `(N, 3)` uint64 array `(addr, len, device)`.
     ///
+    /// `coalesce=True` appends the chunk rows of every dense attention region: the base table of every
+    /// coalescing `PeerPlan` at this `bsr`, so it can be prepped before any handshake.
+    ///
     /// Raises:
     ///     LayoutError: `bsr` does not divide a kernel page.
-    #[pyo3(signature = (bsr = 1))]
-    fn local_descs<'py>(&self, py: Python<'py>, bsr: u64) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let table = self.inner.local_table(bsr).map_err(PyCoreError::from)?;
+    #[pyo3(signature = (bsr = 1, *, coalesce = false))]
+    fn local_descs<'py>(&self, py: Python<'py>, bsr: u64, coalesce: bool) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let table = self.table(bsr, coalesce)?;
         // Allocate in numpy (which asks for huge pages on large arrays) and fill in place: first-touch page
         // faults of a fresh Rust Vec cost more than the writes themselves at millions of descriptors.
         let out = py
@@ -114,11 +128,13 @@ impl PyRegionTable {
 
     /// The local descriptor table as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
     ///
+    /// `coalesce=True` appends the chunk rows of every dense attention region (see `local_descs`).
+    ///
     /// Raises:
     ///     LayoutError: `bsr` does not divide a kernel page.
-    #[pyo3(signature = (bsr = 1))]
-    fn local_rows<'py>(&self, py: Python<'py>, bsr: u64) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let rows = self.inner.local_table(bsr).map_err(PyCoreError::from)?.to_strided();
+    #[pyo3(signature = (bsr = 1, *, coalesce = false))]
+    fn local_rows<'py>(&self, py: Python<'py>, bsr: u64, coalesce: bool) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let rows = self.table(bsr, coalesce)?.to_strided();
         u64_matrix(py, rows, 5)
     }
 

@@ -19,8 +19,9 @@ U64 = npt.NDArray[np.uint64]
 class RankPlanner:
     """One active rank's plan against the peer engine."""
 
-    def __init__(self, table: RegionTable, payloads: dict[int, bytes], mode: str) -> None:
-        self.plan_ = PeerPlan(table, [decode_meta(payloads[r]) for r in sorted(payloads)], mode)
+    def __init__(self, table: RegionTable, payloads: dict[int, bytes], mode: str, *, coalesce: bool = True) -> None:
+        metas = [decode_meta(payloads[r]) for r in sorted(payloads)]
+        self.plan_ = PeerPlan(table, metas, mode, coalesce=coalesce)
         self.local_tables: dict[str, U64] = {key: self.plan_.local_rows(key) for key in self.plan_.table_keys}
         self._index = {k: _RowIndex(v) for k, v in self.local_tables.items()}
 

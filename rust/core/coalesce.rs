@@ -1,0 +1,201 @@
+//! Coalesced chunk rows: one descriptor for a run of `2^j` consecutive units of a dense region.
+//!
+//! A plan emits one descriptor id per unit per region, so a long request is mostly runs of consecutive ids
+//! (a 128K-token DeepSeek-V3 request: 61 regions x 2048 blocks = 124,928 pairs), which makes planning
+//! memory-bound and makes NIXL validate every index before it merges consecutive ones. For every attention
+//! region whose unit descriptors are *dense* in a table (one strided row with `len == stride`, so unit `k+1`
+//! starts where unit `k` ends) rows are appended after every existing row (after the SSM rows, so the
+//! attention/SSM id formulas and `num_fa` are unchanged):
+//!
+//! ```text
+//! for j in 1..=MAX_CHUNK_LOG2, for phase p in 0..2^j:
+//!     (base + p*unit, 2^j*unit, dev, 2^j*unit, floor((count - p) / 2^j))     (rows of count 0 skipped)
+//! ```
+//!
+//! The run of `2^j` units starting at unit `k` is then descriptor `k / 2^j` of row `(j, k mod 2^j)`; it
+//! exists exactly when `k + 2^j <= count`. Rows of one table may cover the same memory (NIXL 1.5 accepts
+//! that; only `len > stride` *inside* one row is refused), and appending rows keeps every existing id valid,
+//! since ids index the flat expansion in row order. Every chunk row has `len == stride`.
+//!
+//! The planner walks a region's paired local and remote unit lists and, where both are consecutive and the
+//! region is dense on *both* sides, greedily covers the run with the largest chunk `2^j <= remaining`
+//! (same `j` on both sides, so pairs keep equal lengths); everything else stays one id per unit. Chunk rows
+//! are added to the base local table for every dense attention region (so it depends on the local rank
+//! alone and can be prepped before any handshake: [`RegionTable::coalesced_local_table`]), to split tables
+//! for the regions dense in all of them (MLA, kept whole; head-sharded split rows are not dense), and to
+//! remote tables for the regions dense there and in the local tables the routes use. SSM streams never get
+//! chunk rows. `PeerPlan::with_coalescing(.., false)` builds the reference tables and ids (one id per unit, no
+//! extra rows) for NIXL < 1.5 users, whose flat `(N, 3)` tables would otherwise grow `J + 1` times.
+
+use super::descs::{DescTable, StridedRow};
+use super::error::LayoutError;
+use super::region::RegionTable;
+use super::remote::hosts_attention;
+
+/// Largest chunk is `2^MAX_CHUNK_LOG2` = 64 units.
+///
+/// Per request a contiguous run of `n` units costs about `n / 2^J + J` ids, while the flat expansion of a
+/// dense region grows from `N` to about `(J + 1) * N` descriptors and its strided form by `2^(J+1) - 2`
+/// rows. At 64 a 128K-token DeepSeek-V3 request (2048 blocks per region) needs 32 ids per region instead of
+/// 2048 (64x fewer, well below NIXL's per-transfer fixed cost), while the table grows 7x in descriptors and
+/// by 126 rows per region: a larger `J` halves an already small id count again for another `N` descriptors
+/// and twice the rows.
+pub const MAX_CHUNK_LOG2: u32 = 6;
+
+/// Number of chunk rows (nonempty or not) per coalesced region: `2^(J+1) - 2`.
+pub const CHUNK_ROWS: usize = (1 << (MAX_CHUNK_LOG2 + 1)) - 2;
+
+/// Flat start of every chunk row of one region, indexed by `2^j - 2 + p`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkStarts(Vec<u64>);
+
+impl ChunkStarts {
+    /// Descriptor id of the run of `2^j` units (`j >= 1`) starting at unit `k` of the region.
+    #[inline]
+    pub fn id(&self, k: u64, j: u32) -> u64 {
+        let size = 1u64 << j;
+        self.0[(size - 2 + (k & (size - 1))) as usize] + (k >> j)
+    }
+}
+
+/// The region's dense unit row `(row, unit bytes)` when the flat range `[start, start + count)` of `table`
+/// is exactly one row with `len == stride`.
+pub fn dense_row(table: &DescTable, start: u64, count: u64) -> Option<StridedRow> {
+    let starts = table.row_starts();
+    let i = starts.partition_point(|&s| s < start);
+    let row = table.rows.get(i)?;
+    (starts[i] == start && row.count == count && row.len == row.stride && count >= 2).then_some(*row)
+}
+
+/// Chunk rows of a dense unit row, in `(j, p)` order (rows of count 0 included: they add no descriptors).
+fn chunk_rows(row: &StridedRow) -> impl Iterator<Item = StridedRow> + '_ {
+    (1..=MAX_CHUNK_LOG2).flat_map(move |j| {
+        let size = 1u64 << j;
+        (0..size).map(move |p| StridedRow {
+            addr: row.addr + p.min(row.count) * row.len,
+            len: size * row.len,
+            device: row.device,
+            stride: size * row.len,
+            count: row.count.saturating_sub(p) / size,
+        })
+    })
+}
+
+/// Append chunk rows for every region `r` with `coalesce[r]` (each must have a [`dense_row`] in `table`;
+/// `region_start[r]` is its flat start and `region_count[r]` its unit count). Returns the table and the
+/// chunk starts of every coalesced region.
+pub fn with_chunk_rows(
+    table: &DescTable,
+    region_start: &[u64],
+    region_count: &[u64],
+    coalesce: &[bool],
+) -> (DescTable, Vec<Option<ChunkStarts>>) {
+    let mut rows = table.rows.clone();
+    let mut next = table.len();
+    let mut starts = Vec::with_capacity(coalesce.len());
+    for r in 0..coalesce.len() {
+        let dense = coalesce[r]
+            .then(|| dense_row(table, region_start[r], region_count[r]))
+            .flatten();
+        let Some(row) = dense else {
+            starts.push(None);
+            continue;
+        };
+        let mut s = Vec::with_capacity(CHUNK_ROWS);
+        for c in chunk_rows(&row) {
+            s.push(next);
+            next += c.count;
+            if c.count > 0 {
+                rows.push(c);
+            }
+        }
+        starts.push(Some(ChunkStarts(s)));
+    }
+    (DescTable::new(rows, table.num_fa), starts)
+}
+
+impl RegionTable {
+    /// [`RegionTable::local_table`] with chunk rows for every attention region whose units are dense in it.
+    ///
+    /// This is the base local table of every coalescing [`PeerPlan`](super::plan::PeerPlan) at this `bsr`
+    /// (unless its tables would outgrow int32 ids): it depends on the local rank alone, so it can be prepped
+    /// once before any handshake.
+    ///
+    /// # Errors
+    /// As [`RegionTable::local_table`].
+    pub fn coalesced_local_table(&self, bsr: u64) -> Result<DescTable, LayoutError> {
+        let table = self.local_table(bsr)?;
+        let counts: Vec<u64> = self.regions.iter().map(|r| r.num_blocks * bsr).collect();
+        let starts: Vec<u64> = counts
+            .iter()
+            .scan(0, |acc, c| {
+                let s = *acc;
+                *acc += c;
+                Some(s)
+            })
+            .collect();
+        let eligible: Vec<bool> = self
+            .regions
+            .iter()
+            .map(|r| hosts_attention(r.group, &self.groups))
+            .collect();
+        Ok(with_chunk_rows(&table, &starts, &counts, &eligible).0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chunk_id_resolves_to_its_units() {
+        for count in [2u64, 3, 5, 64, 65, 130] {
+            let unit = StridedRow {
+                addr: 0x1000,
+                len: 8,
+                device: 1,
+                stride: 8,
+                count,
+            };
+            let ssm = StridedRow {
+                addr: 0x9000,
+                len: 4,
+                device: 1,
+                stride: 16,
+                count: 3,
+            };
+            let t = DescTable::new(vec![unit, ssm], count);
+            let (c, starts) = with_chunk_rows(&t, &[0], &[count], &[true]);
+            assert_eq!(c.rows[..2], t.rows[..]);
+            assert!(c.rows.iter().all(|r| r.len <= r.stride && r.count > 0));
+            let s = starts[0].as_ref().unwrap();
+            for j in 1..=MAX_CHUNK_LOG2 {
+                for k in 0..count {
+                    if k + (1 << j) <= count {
+                        let got = c.desc(s.id(k, j)).unwrap();
+                        assert_eq!(got, (0x1000 + 8 * k, 8 << j), "count {count} k {k} j {j}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn strided_or_partial_rows_are_not_dense() {
+        let row = |len, stride, count| StridedRow {
+            addr: 0,
+            len,
+            device: 0,
+            stride,
+            count,
+        };
+        let t = DescTable::new(vec![row(8, 16, 10), row(8, 8, 10), row(8, 8, 1)], 21);
+        assert!(dense_row(&t, 0, 10).is_none());
+        assert!(dense_row(&t, 10, 10).is_some());
+        assert!(dense_row(&t, 10, 5).is_none());
+        assert!(dense_row(&t, 20, 1).is_none());
+        let (c, s) = with_chunk_rows(&t, &[0, 10, 20], &[10, 10, 1], &[true, true, true]);
+        assert_eq!(s.iter().filter(|s| s.is_some()).count(), 1);
+        assert!(c.rows.len() > 3);
+    }
+}

@@ -1,0 +1,211 @@
+//! Coalesced chunk rows through whole deployments: fewer ids for contiguous requests, the same bytes as the
+//! reference plans, single ids where nothing is contiguous, and chunk rows only for dense attention rows.
+
+use super::coalesce::MAX_CHUNK_LOG2;
+use super::descs::DescTable;
+use super::plan::PeerPlan;
+use super::plan_tests::canonical;
+use super::scenario::{Deployment, Scenario};
+
+/// A scenario of `tensors` tensors of the given layers (`"mla"`, `"gqa"`, `"ssm"`), groups in `kinds` order.
+fn scenario(
+    kinds: &[&str],
+    tensors: &[&[&str]],
+    p: (u32, u64),
+    d: (u32, u64),
+    mode: &str,
+    req: (&str, &str),
+) -> Scenario {
+    let group = |l: &str| kinds.iter().position(|k| *k == l).unwrap();
+    let groups: Vec<&str> = kinds
+        .iter()
+        .map(|k| match *k {
+            "mla" => r#"{"kind": "mla", "head_size": 576, "dtype_bytes": 2}"#,
+            "gqa" => r#"{"kind": "attention", "num_kv_heads": 4, "head_size": 2, "dtype_bytes": 2}"#,
+            _ => {
+                r#"{"kind": "ssm", "mamba": "mamba2", "conv_dim": 24, "conv_rows": 3, "conv_dtype_bytes": 2,
+                    "temporal_shape": [8, 1, 2], "temporal_dtype_bytes": 4}"#
+            }
+        })
+        .collect();
+    let tensors: Vec<String> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, ls)| {
+            let layers: Vec<String> = ls
+                .iter()
+                .map(|l| format!(r#"{{"name": "layers.{i}.{l}", "group": {}}}"#, group(l)))
+                .collect();
+            format!(r#"{{"layers": [{}]}}"#, layers.join(", "))
+        })
+        .collect();
+    let json = format!(
+        r#"{{
+  "model": {{
+    "groups": [{}],
+    "tensors": [{}]
+  }},
+  "prefill": {{"tp_size": {}, "logical_block_size": 64, "kernel_block_size": 64, "num_blocks": {}}},
+  "decode": {{"tp_size": {}, "logical_block_size": 64, "kernel_block_size": 64, "num_blocks": {}}},
+  "mode": "{mode}",
+  "requests": [{{"id": "r", "prefill": {}, "decode": {}}}]
+}}"#,
+        groups.join(", "),
+        tensors.join(", "),
+        p.0,
+        p.1,
+        d.0,
+        d.1,
+        req.0,
+        req.1
+    );
+    Scenario::from_json(&json).unwrap()
+}
+
+/// DeepSeek-V3-like: 61 dense MLA tensors, `blocks` logical blocks of 64 tokens, P TP 8 -> D TP 16 pull.
+fn deepseek(blocks: u64, prefill: &[u64], decode: &[u64]) -> Scenario {
+    let tensors: Vec<&[&str]> = vec![&["mla"]; 61];
+    let mut s = scenario(&["mla"], &tensors, (8, blocks), (16, blocks), "pull", ("[[]]", "[[]]"));
+    s.requests[0].prefill = vec![prefill.to_vec()];
+    s.requests[0].decode = vec![decode.to_vec()];
+    s
+}
+
+fn tables(p: &PeerPlan) -> impl Iterator<Item = &DescTable> {
+    p.local_tables
+        .iter()
+        .map(|(_, t)| t)
+        .chain(p.remote_tables.iter().map(|(_, t)| t))
+}
+
+/// Every rank's coalesced plan moves exactly the reference plan's bytes; returns local rank 0's (coalesced,
+/// reference) id pair counts.
+fn compare(s: &Scenario) -> (usize, usize) {
+    let (c, r) = (Deployment::build(s).unwrap(), Deployment::build_with(s, false).unwrap());
+    let (pc, pr) = (c.plan_all().unwrap(), r.plan_all().unwrap());
+    let (mut nc, mut nr) = (0, 0);
+    for (a, b) in pc.iter().zip(&pr) {
+        let (peer_c, peer_r) = (&c.peers[a.local_rank as usize], &r.peers[b.local_rank as usize]);
+        assert_eq!(a.plan.transfers.len(), b.plan.transfers.len());
+        for (i, (tc, tr)) in a.plan.transfers.iter().zip(&b.plan.transfers).enumerate() {
+            assert_eq!((tc.remote_rank, tc.local_table), (tr.remote_rank, tr.local_table));
+            assert_eq!(tc.local_ids.len(), tc.remote_ids.len());
+            let (mc, mr) = (a.plan.moves(peer_c, i).unwrap(), b.plan.moves(peer_r, i).unwrap());
+            let sum = |m: &[[u64; 3]]| m.iter().map(|m| m[2]).sum::<u64>();
+            assert_eq!(sum(&mc), sum(&mr));
+            // Same union of local and of remote byte ranges, paired the same way.
+            assert_eq!(canonical(mc), canonical(mr));
+            if a.local_rank == 0 {
+                nc += tc.local_ids.len();
+                nr += tr.local_ids.len();
+            }
+        }
+    }
+    for (peer_c, peer_r) in c.peers.iter().zip(&r.peers) {
+        check_tables(peer_c, peer_r);
+    }
+    (nc, nr)
+}
+
+/// Coalesced tables are the reference tables plus chunk rows, each a run of `2^j` units (`1 <= j <= J`) of a
+/// dense attention row of the reference table; every row has `len <= stride`.
+fn check_tables(c: &PeerPlan, r: &PeerPlan) {
+    for (tc, tr) in tables(c).zip(tables(r)) {
+        assert!(tc.rows.iter().all(|x| x.len <= x.stride), "{:?}", tc.rows);
+        assert_eq!((&tc.rows[..tr.rows.len()], tc.num_fa), (&tr.rows[..], tr.num_fa));
+        let attention: Vec<_> = tr
+            .rows
+            .iter()
+            .zip(tr.row_starts())
+            .filter(|(_, &s)| s < tr.num_fa)
+            .map(|(u, _)| *u)
+            .collect();
+        for x in &tc.rows[tr.rows.len()..] {
+            let unit = attention.iter().find(|u| {
+                u.len == u.stride && x.addr >= u.addr && x.addr + x.stride * x.count <= u.addr + u.len * u.count
+            });
+            let u = unit.unwrap_or_else(|| panic!("chunk row {x:?} lies in no dense attention row"));
+            let k = x.len / u.len;
+            assert!(
+                x.len == x.stride
+                    && x.len % u.len == 0
+                    && k.is_power_of_two()
+                    && (2..=1 << MAX_CHUNK_LOG2).contains(&k)
+            );
+            assert_eq!((x.addr - u.addr) % u.len, 0);
+        }
+    }
+}
+
+#[test]
+fn deepseek_v3_128k_contiguous_request_is_a_few_chunks() {
+    let s = deepseek(4096, &(100..2148).collect::<Vec<_>>(), &(107..2155).collect::<Vec<_>>());
+    let (nc, nr) = compare(&s);
+    assert_eq!(nr, 61 * 2048);
+    assert!(nc <= 61 * 2048usize.div_ceil(1 << MAX_CHUNK_LOG2) + 61, "{nc} id pairs");
+    let dep = Deployment::build(&s).unwrap();
+    assert!(dep.peers[0].coalesced());
+    assert_eq!(dep.peers[0].local_tables[0].1.rows.len(), 61 * 127);
+}
+
+#[test]
+fn fragmented_requests_fall_back_to_single_ids() {
+    let even: Vec<u64> = (0..64).map(|i| 2 * i).collect();
+    let run: Vec<u64> = (300..364).collect();
+    // Neither side consecutive, or only one side consecutive: one id per unit, exactly the reference ids.
+    for (p, d) in [(&even, &even), (&even, &run), (&run, &even)] {
+        let s = deepseek(512, p, d);
+        let (c, r) = (
+            Deployment::build(&s).unwrap(),
+            Deployment::build_with(&s, false).unwrap(),
+        );
+        assert!(c.peers[0].coalesced());
+        assert_eq!(c.plan_all().unwrap()[0].plan, r.plan_all().unwrap()[0].plan);
+        compare(&s);
+    }
+    // Mixed: a run of 5 both sides then a gap: 4 + 1 and singles.
+    let s = deepseek(512, &[10, 11, 12, 13, 14, 20], &[40, 41, 42, 43, 44, 46]);
+    let (nc, _) = compare(&s);
+    assert_eq!(nc, 61 * 3);
+}
+
+#[test]
+fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
+    let req = ("[[1, 2, 3, 4], [7]]", "[[5, 6, 7, 8], [9]]");
+    // Dense attention tensors and separate SSM tensors. GQA: push P1 -> D2 cuts heads (split tables), pull
+    // D2 <- P1 reads head slices, P2 -> D1 pull splits; equal TP keeps GQA whole. MLA (with SSM, so P < D
+    // gives split tables too) stays whole, replicated, everywhere.
+    for attn in ["gqa", "mla"] {
+        let tensors: &[&[&str]] = &[&[attn], &["ssm"], &[attn], &["ssm"]];
+        for (p, d, mode) in [
+            (1, 2, "push"),
+            (1, 2, "pull"),
+            (2, 1, "pull"),
+            (2, 1, "push"),
+            (2, 2, "pull"),
+        ] {
+            let s = scenario(&[attn, "ssm"], tensors, (p, 200), (d, 200), mode, req);
+            let (c, r) = (
+                Deployment::build(&s).unwrap(),
+                Deployment::build_with(&s, false).unwrap(),
+            );
+            let whole = attn == "mla" || p == d;
+            let locals = if mode == "pull" { &c.decode } else { &c.prefill };
+            for (i, (pc, pr)) in c.peers.iter().zip(&r.peers).enumerate() {
+                assert_eq!(pc.coalesced(), whole, "{attn} P{p} D{d} {mode}");
+                // The base table depends on the local rank alone: chunk rows for both dense attention regions.
+                let base = &pc.local_tables[0].1;
+                assert_eq!(base, &locals[i].table.coalesced_local_table(1).unwrap());
+                assert_eq!(base.rows.len() - pr.local_tables[0].1.rows.len(), 2 * 126);
+                // Split and remote tables: 126 chunk rows per attention region when it is kept whole, else none.
+                let others = tables(pc).skip(1).zip(tables(pr).skip(1));
+                for (tc, tr) in others {
+                    let added = tc.rows.len() - tr.rows.len();
+                    assert_eq!(added, if whole { 2 * 126 } else { 0 }, "{attn} P{p} D{d} {mode}");
+                }
+            }
+            let (nc, nr) = compare(&s);
+            assert_eq!(nc < nr, whole);
+        }
+    }
+}
