@@ -1,6 +1,6 @@
 """hybrid-kv planning against NumPy and Python-loop baselines, side by side in one run.
 
-Run (about 2-3 minutes on a 2-core box)::
+Run (about 1 minute on a 2-core box, about 3 with ``--full``)::
 
     PYTHONPATH=python python benches/bench_planner.py [--quick] [--repeats N] [--json out.json] [--plot docs/img/x.png]
 
@@ -13,6 +13,13 @@ interleaved round-robin so noise hits them alike):
    vLLM PR #48209 (``baselines.numpy_impl``) and a Python loop (``baselines.python_loop``).
 2. ``prep``: table -> prepped NIXL handle (``prep_xfer_dlist`` on a real DRAM agent, same descriptor
    counts, regions scaled down to fit a real buffer) for the N x 3 and the strided N x 5 forms.
+3. ``planning``: the ids of one request, ``PeerPlan.plan`` in both modes against the NumPy D.3/D.5 build:
+   ``reference`` (``coalesce=False``, one id per block per region: its id pairs must equal NumPy's) and
+   ``coalesced`` (the default, chunk ids: its resolved ``(local_addr, remote_addr, len)`` byte moves, merged
+   into maximal runs per remote rank, must equal the reference plan's).
+4. ``e2e``: one request READ through NIXL between two DRAM agents, data verified, each mode posted through
+   handles prepped from its own plan's tables; planning overhead and descriptors posted with and without
+   NIXL's merging, for both modes.
 
 The baselines are reimplementations written for comparison only (see ``benches/baselines``); their
 outputs are checked equal to hybrid-kv's before anything is timed. Ratios, not absolute times, are the
@@ -365,7 +372,8 @@ class Deploy:
     """One local (active) rank against the peer engine: hybrid-kv's plan and the baseline's inputs."""
 
     name: str
-    peer: Any
+    peer: Any  # coalesced (the default): chunk rows, one id per power-of-two run of consecutive blocks
+    peer_ref: Any  # coalesce=False: the reference tables, one id per block per region
     kinds: list[bool]  # is_attention per group
     routes: list[tuple[int, list[bool]]]
     local: numpy_impl.Side
@@ -391,6 +399,8 @@ def deploy(
     info = json.dumps(preset.engine_info(r_side, mode))
     payloads = [hk.build_region_table(preset.rank_layout(r_tp, r, r_n)).agent_meta_json(info) for r in targets]
     peer = PeerPlan(local, payloads, mode)
+    peer_ref = PeerPlan(local, payloads, mode, coalesce=False)
+    assert peer.coalesced and not peer_ref.coalesced
     rg = Geometry.from_table(hk.build_region_table(preset.rank_layout(r_tp, targets[0], r_n)))
     lg = Geometry.from_table(local)
     kinds = [k != "ssm" for k in preset.group_kinds()]
@@ -401,6 +411,7 @@ def deploy(
     return Deploy(
         name,
         peer,
+        peer_ref,
         kinds,
         routes,
         numpy_impl.Side.of(lg, lgeo.logical_block_size),
@@ -428,8 +439,8 @@ def request_ids(d: Deploy, tokens: int, fragmented: bool, seed: int = 0) -> tupl
     return side(d.local_logical, d.local_blocks, 3), side(d.remote_logical, d.remote_blocks, 5)
 
 
-def hk_plan(d: Deploy, lids: list[list[int]], rids: list[list[int]]) -> list[tuple[int, Any, Any]]:
-    p = d.peer.plan(lids, rids)
+def hk_plan(peer: Any, lids: list[list[int]], rids: list[list[int]]) -> list[tuple[int, Any, Any]]:
+    p = peer.plan(lids, rids)
     return [(int(t.remote_rank), t.local_ids, t.remote_ids) for t in p.transfers]
 
 
@@ -438,8 +449,8 @@ def np_plan(d: Deploy, lids: list[list[int]], rids: list[list[int]]) -> list[tup
 
 
 def check_plan(d: Deploy, lids: list[list[int]], rids: list[list[int]]) -> int:
-    """Both plans move the same (local id, remote id) pairs per remote rank; returns the id count."""
-    ours = hk_plan(d, lids, rids)
+    """The reference plan moves the baseline's (local id, remote id) pairs per remote rank; returns the count."""
+    ours = hk_plan(d.peer_ref, lids, rids)
     ref = np_plan(d, lids, rids)
     assert [r for r, _, _ in ours] == [r for r, _, _ in ref], f"{d.name}: ranks {ours} vs {ref}"
     total = 0
@@ -450,6 +461,38 @@ def check_plan(d: Deploy, lids: list[list[int]], rids: list[list[int]]) -> int:
         assert a.shape == b.shape and np.array_equal(key(a), key(b)), f"{d.name}: rank {r} pairs differ"
         total += a.shape[0]
     return total
+
+
+def merged_moves(plan: Any) -> dict[int, np.ndarray]:
+    """Every byte a plan moves, per remote rank, as sorted maximal ``(local_addr, remote_addr, len)`` runs.
+
+    Moves that continue each other on both sides (``la + len`` and ``ra + len`` are the next move's starts)
+    are merged, so a chunk descriptor and the run of block descriptors it replaces give the same rows.
+    """
+    by: dict[int, list[np.ndarray]] = {}
+    for i, t in enumerate(plan.transfers):
+        by.setdefault(int(t.remote_rank), []).append(plan.moves(i).astype(np.int64))
+    out = {}
+    for rank, parts in by.items():
+        m = np.concatenate(parts)
+        m = m[np.lexsort((m[:, 1], m[:, 0]))]
+        la, ra, n = m[:, 0], m[:, 1], m[:, 2]
+        assert (n > 0).all() and (la[1:] >= la[:-1] + n[:-1]).all(), f"rank {rank}: local byte ranges overlap"
+        start = np.ones(len(m), dtype=bool)
+        start[1:] = (la[1:] != la[:-1] + n[:-1]) | (ra[1:] != ra[:-1] + n[:-1])
+        group = np.cumsum(start) - 1
+        out[rank] = np.stack([la[start], ra[start], np.bincount(group, weights=n).astype(np.int64)], axis=1)
+    return out
+
+
+def check_coalesced(d: Deploy, lids: list[list[int]], rids: list[list[int]]) -> int:
+    """The coalesced plan moves exactly the reference plan's bytes per remote rank; returns its id count."""
+    plan = d.peer.plan(lids, rids)
+    ours, ref = merged_moves(plan), merged_moves(d.peer_ref.plan(lids, rids))
+    assert sorted(ours) == sorted(ref), f"{d.name}: coalesced ranks {sorted(ours)} vs {sorted(ref)}"
+    for r in ref:
+        assert np.array_equal(ours[r], ref[r]), f"{d.name}: rank {r} coalesced bytes differ from the reference"
+    return sum(len(t.local_ids) for t in plan.transfers)
 
 
 def deployments(args: argparse.Namespace) -> list[Deploy]:
@@ -472,41 +515,55 @@ def bench_planning(args: argparse.Namespace, results: dict[str, Any]) -> None:
     for d in deployments(args):
         for tokens in sorted(set(lengths) | (set(curve) if args.plot else set())):
             lids, rids = request_ids(d, tokens, fragmented=False)
-            n = check_plan(d, lids, rids)
+            n_ref = check_plan(d, lids, rids)
+            n_co = check_coalesced(d, lids, rids)
             t = side_by_side(
                 {
-                    "hybrid-kv": lambda d=d, lids=lids, rids=rids: hk_plan(d, lids, rids),
+                    "hybrid-kv coalesced": lambda d=d, lids=lids, rids=rids: hk_plan(d.peer, lids, rids),
+                    "hybrid-kv reference": lambda d=d, lids=lids, rids=rids: hk_plan(d.peer_ref, lids, rids),
                     "numpy": lambda d=d, lids=lids, rids=rids: np_plan(d, lids, rids),
                 },
                 args.repeats,
-                inner={"hybrid-kv": 50, "numpy": 50},
+                inner={"hybrid-kv coalesced": 50, "hybrid-kv reference": 50, "numpy": 50},
             )
             med = {k: t.median(k) for k in t.samples}
-            out[f"{d.name} {tokens // KIB}K"] = {"deploy": d.name, "tokens": tokens, "ids": n, "median_s": med}
+            out[f"{d.name} {tokens // KIB}K"] = {
+                "deploy": d.name,
+                "tokens": tokens,
+                "ids": n_ref,
+                "ids_coalesced": n_co,
+                "median_s": med,
+                "samples_s": t.samples,
+            }
             if tokens in lengths:
                 rows.append(
                     [
                         d.name,
                         f"{tokens // KIB}K",
-                        f"{n:,}",
-                        fmt_t(med["hybrid-kv"]),
+                        f"{n_ref:,}",
+                        f"{n_co:,}",
+                        fmt_t(med["hybrid-kv reference"]),
+                        fmt_t(med["hybrid-kv coalesced"]),
                         fmt_t(med["numpy"]),
-                        fmt_r(t.ratio("numpy", "hybrid-kv")),
-                        f"{1 / med['hybrid-kv']:,.0f}",
-                        f"{n / med['hybrid-kv'] / 1e6:,.0f} M",
+                        fmt_r(t.ratio("numpy", "hybrid-kv reference")),
+                        fmt_r(t.ratio("numpy", "hybrid-kv coalesced")),
+                        f"{1 / med['hybrid-kv coalesced']:,.0f}",
                     ]
                 )
     print_table(
-        "Per-request planning (ids of every transfer of one request; median, same run)",
+        "Per-request planning (ids of every transfer of one request; median, same run; reference ids checked "
+        "equal to NumPy's, coalesced bytes checked equal to the reference's)",
         [
             "deployment (local = D rank 0, pull)",
             "request",
-            "id pairs",
-            "hybrid-kv",
+            "id pairs (reference = NumPy)",
+            "id pairs (coalesced)",
+            "hk reference",
+            "hk coalesced",
             "NumPy",
-            "NumPy/hk",
-            "hk requests/s",
-            "hk ids/s",
+            "NumPy/hk reference",
+            "NumPy/hk coalesced",
+            "hk coalesced requests/s",
         ],
         rows,
     )
@@ -520,23 +577,31 @@ def plot_planning(out: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    by: dict[str, list[tuple[int, float, float]]] = {}
+    by: dict[str, list[tuple[int, dict[str, float]]]] = {}
     for v in out.values():
-        by.setdefault(v["deploy"], []).append((v["tokens"], v["median_s"]["hybrid-kv"], v["median_s"]["numpy"]))
-    for i, (name, pts) in enumerate(sorted(by.items())):
-        pts.sort()
-        x = [p[0] / KIB for p in pts]
-        color = f"C{i}"
-        ax.plot(x, [p[1] * 1e6 for p in pts], "o-", color=color, label=f"hybrid-kv, {name}")
-        ax.plot(x, [p[2] * 1e6 for p in pts], "s--", color=color, alpha=0.6, label=f"NumPy, {name}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("request length (K tokens)")
-    ax.set_ylabel("planning time per request (us, median)")
-    ax.set_title("Per-request planning: hybrid-kv vs NumPy (D.3), same run")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+        by.setdefault(v["deploy"], []).append((v["tokens"], v["median_s"]))
+    models = sorted({name.split(" ")[0] for name in by})
+    fig, axes = plt.subplots(1, len(models), figsize=(11, 4.5), sharey=True, squeeze=False)
+    styles = [
+        ("hybrid-kv coalesced", "o-", 1.0),
+        ("hybrid-kv reference", "^-.", 0.8),
+        ("numpy", "s--", 0.6),
+    ]
+    for ax, model in zip(axes[0], models, strict=True):
+        for i, (name, pts) in enumerate(sorted((k, v) for k, v in by.items() if k.split(" ")[0] == model)):
+            pts.sort(key=lambda p: p[0])
+            x = [p[0] / KIB for p in pts]
+            for impl, style, alpha in styles:
+                label = f"{'NumPy' if impl == 'numpy' else impl}, {name.split(' ', 1)[1]}"
+                ax.plot(x, [p[1][impl] * 1e6 for p in pts], style, color=f"C{i}", alpha=alpha, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("request length (K tokens)")
+        ax.set_title(model)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("planning time per request (us, median)")
+    fig.suptitle("Per-request planning: hybrid-kv coalesced / reference vs NumPy (D.3), same run")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -578,9 +643,17 @@ class E2E:
         self.d.add_remote_agent(self.p.get_agent_metadata())
         info = json.dumps(preset.engine_info("prefill", "pull"))
         payload = self.tables["P"].agent_meta_json(info)
-        self.peer = peer_plan_binding()(self.tables["D"], [payload], "pull")
-        self.lh = {k: self.d.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM") for k, rows in local_tables(self.peer)}
-        self.rh = {0: self.d.prep_xfer_dlist("P", self.peer.remote_rows(0), "DRAM")}
+        # Both modes, each transferring through handles prepped from its own plan's tables (chunk ids index the
+        # coalesced tables' appended rows).
+        self.peers: dict[str, Any] = {}
+        self.lh: dict[str, dict[str, Any]] = {}
+        self.rh: dict[str, dict[int, Any]] = {}
+        for mode, co in (("coalesced", True), ("reference", False)):
+            peer = peer_plan_binding()(self.tables["D"], [payload], "pull", coalesce=co)
+            self.peers[mode] = peer
+            prep = self.d.prep_xfer_dlist
+            self.lh[mode] = {k: prep("NIXL_INIT_AGENT", rows, "DRAM") for k, rows in local_tables(peer)}
+            self.rh[mode] = {0: self.d.prep_xfer_dlist("P", peer.remote_rows(0), "DRAM")}
         self.kinds = [k != "ssm" for k in preset.group_kinds()]
 
     def ids(self, tokens: int, fragmented: bool, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -596,11 +669,13 @@ class E2E:
 
         return side(1), side(2)
 
-    def post(self, transfers: list[tuple[int, str, Any, Any]], skip_merge: bool = False) -> int:
-        """Post every transfer, wait for all, release; returns the descriptors NIXL posted (after merging)."""
+    def post(self, transfers: list[tuple[int, str, Any, Any]], mode: str, skip_merge: bool = False) -> int:
+        """Post every transfer through ``mode``'s handles, wait for all, release; returns the descriptors NIXL
+        posted (after merging)."""
         handles = []
+        lh, rh = self.lh[mode], self.rh[mode]
         for rank, key, li, ri in transfers:
-            h = self.d.make_prepped_xfer("READ", self.lh[key], li, self.rh[rank], ri, skip_desc_merge=skip_merge)
+            h = self.d.make_prepped_xfer("READ", lh[key], li, rh[rank], ri, skip_desc_merge=skip_merge)
             state = self.d.transfer(h)
             handles.append((h, state))
         descs = 0
@@ -614,9 +689,14 @@ class E2E:
             self.d.release_xfer_handle(h)
         return descs
 
-    def plan(self, lids: list[list[int]], rids: list[list[int]]) -> list[tuple[int, str, Any, Any]]:
-        p = self.peer.plan(lids, rids)
+    def plan(self, lids: list[list[int]], rids: list[list[int]], mode: str) -> list[tuple[int, str, Any, Any]]:
+        p = self.peers[mode].plan(lids, rids)
         return [(int(t.remote_rank), str(t.local_table), t.local_ids, t.remote_ids) for t in p.transfers]
+
+    def clear(self) -> None:
+        """Zero the decode pools, so that ``verify`` after a transfer checks that transfer alone."""
+        for t in self.pools["D"]:
+            t.zero_()
 
     def verify(self, lids: list[list[int]], rids: list[list[int]], tokens: int) -> None:
         """The attention pages and SSM states of the request arrived intact (pools hold random bytes)."""
@@ -636,8 +716,8 @@ class E2E:
             if attn:
                 n_kernel -= geo.ppl * len(lids[g])
 
-    def bytes_of(self, transfers: list[tuple[int, str, Any, Any]]) -> int:
-        tabs = dict(local_tables(self.peer))
+    def bytes_of(self, transfers: list[tuple[int, str, Any, Any]], mode: str) -> int:
+        tabs = dict(local_tables(self.peers[mode]))
         total = 0
         for _, key, li, _ in transfers:
             rows = tabs[key]
@@ -647,10 +727,10 @@ class E2E:
 
     def close(self) -> None:
         for side, agent in self.agents.items():
-            for h in list(self.lh.values()) if side == "D" else []:
-                agent.release_dlist_handle(h)
             if side == "D":
-                agent.release_dlist_handle(self.rh[0])
+                for mode in self.peers:
+                    for h in [*self.lh[mode].values(), *self.rh[mode].values()]:
+                        agent.release_dlist_handle(h)
             agent.deregister_memory(self.regs[side])
         self.agents.clear()
 
@@ -664,33 +744,43 @@ def e2e_case(
     rows_over: list[list[str]],
     rows_merge: list[list[str]],
 ) -> None:
+    modes = ("coalesced", "reference")
     for tokens in lengths:
         for frag in (False, True):
             lids, rids = e.ids(tokens, frag, seed=tokens)
-            planned = e.plan(lids, rids)
-            e.post(planned)
-            e.verify(lids, rids, tokens)
-            nbytes = e.bytes_of(planned)
-            ids = sum(len(li) for _, _, li, _ in planned)
+            planned = {m: e.plan(lids, rids, m) for m in modes}
+            for m in modes:
+                e.clear()
+                e.post(planned[m], m)
+                e.verify(lids, rids, tokens)
+            nbytes = e.bytes_of(planned["reference"], "reference")
+            assert e.bytes_of(planned["coalesced"], "coalesced") == nbytes, "coalesced plan moves other bytes"
+            ids = {m: sum(len(li) for _, _, li, _ in planned[m]) for m in modes}
             impls: dict[str, Callable[[], Any]] = {
-                "plan only": lambda lids=lids, rids=rids: e.plan(lids, rids),
-                "by hand": lambda planned=planned: e.post(planned),
-                "hybrid-kv": lambda lids=lids, rids=rids: e.post(e.plan(lids, rids)),
+                "plan only": lambda lids=lids, rids=rids: e.plan(lids, rids, "coalesced"),
+                "plan only reference": lambda lids=lids, rids=rids: e.plan(lids, rids, "reference"),
+                "by hand": lambda p=planned["coalesced"]: e.post(p, "coalesced"),
+                "by hand reference": lambda p=planned["reference"]: e.post(p, "reference"),
+                "hybrid-kv": lambda lids=lids, rids=rids: e.post(e.plan(lids, rids, "coalesced"), "coalesced"),
             }
             if not frag:
-                impls["no merge"] = lambda planned=planned: e.post(planned, skip_merge=True)
-            t = side_by_side(impls, args.repeats, inner={"plan only": 20})
+                impls["no merge"] = lambda p=planned["coalesced"]: e.post(p, "coalesced", skip_merge=True)
+                impls["no merge reference"] = lambda p=planned["reference"]: e.post(p, "reference", skip_merge=True)
+            t = side_by_side(impls, args.repeats, inner={"plan only": 20, "plan only reference": 20})
             med = {k: t.median(k) for k in t.samples}
-            posted = e.post(planned)
-            posted_nomerge = e.post(planned, skip_merge=True) if not frag else posted
+            posted = {m: e.post(planned[m], m) for m in modes}
+            posted_nomerge = {m: e.post(planned[m], m, skip_merge=True) for m in modes}
             label = f"{model} {tokens // KIB}K {'fragmented' if frag else 'contiguous'}"
             out[label] = {
                 "tokens": tokens,
                 "fragmented": frag,
                 "bytes": nbytes,
-                "ids": ids,
-                "descs_posted": posted,
-                "descs_posted_nomerge": posted_nomerge,
+                "ids": ids["reference"],
+                "ids_coalesced": ids["coalesced"],
+                "descs_posted": posted["reference"],
+                "descs_posted_nomerge": posted_nomerge["reference"],
+                "descs_posted_coalesced": posted["coalesced"],
+                "descs_posted_coalesced_nomerge": posted_nomerge["coalesced"],
                 "median_s": med,
                 "samples_s": t.samples,
             }
@@ -699,7 +789,9 @@ def e2e_case(
                 [
                     label,
                     f"{nbytes / 2**20:,.0f} MiB",
-                    f"{ids:,}",
+                    f"{ids['reference']:,}",
+                    f"{ids['coalesced']:,}",
+                    fmt_t(med["plan only reference"]),
                     fmt_t(med["plan only"]),
                     fmt_t(med["by hand"]),
                     fmt_t(med["hybrid-kv"]),
@@ -708,19 +800,22 @@ def e2e_case(
                 ]
             )
 
-            def gbs(k: str, nbytes: int = nbytes, med: dict[str, float] = med) -> float:
-                return nbytes / med[k] / 1e9
+            def gbs(k: str, nbytes: int = nbytes, med: dict[str, float] = med) -> str:
+                return f"{nbytes / med[k] / 1e9:.2f}" if k in med else "-"
 
             rows_merge.append(
                 [
                     label,
-                    f"{ids:,}",
-                    f"{posted:,}",
-                    f"{ids / posted:.0f}x",
-                    f"{gbs('by hand'):.2f}",
-                    f"{posted_nomerge:,}" if not frag else "-",
-                    f"{gbs('no merge'):.2f}" if not frag else "-",
-                    f"{med['no merge'] / med['by hand']:.2f}x" if not frag else "-",
+                    f"{ids['reference']:,}",
+                    f"{posted['reference']:,}",
+                    f"{posted_nomerge['reference']:,}",
+                    f"{ids['coalesced']:,}",
+                    f"{posted['coalesced']:,}",
+                    f"{posted_nomerge['coalesced']:,}",
+                    gbs("by hand reference"),
+                    gbs("by hand"),
+                    gbs("no merge reference"),
+                    gbs("no merge"),
                 ]
             )
 
@@ -749,26 +844,32 @@ def bench_e2e(args: argparse.Namespace, results: dict[str, Any]) -> None:
         [
             "request",
             "bytes",
-            "id pairs",
-            "plan()",
-            "by hand (post+wait)",
-            "hybrid-kv (plan+post+wait)",
-            "plan / transfer",
+            "id pairs reference",
+            "id pairs coalesced",
+            "plan() reference",
+            "plan() coalesced",
+            "by hand, coalesced (post+wait)",
+            "hybrid-kv, coalesced (plan+post+wait)",
+            "plan / transfer (coalesced)",
             "difference",
         ],
         rows_over,
     )
     print_table(
-        "Descriptors posted (NIXL telemetry descCount) and throughput, with and without merging",
+        "Descriptors posted (NIXL telemetry descCount) and throughput, reference and coalesced ids, with and "
+        "without NIXL's merging (unmerged throughput: contiguous only)",
         [
             "request",
-            "ids (1 per block per region)",
-            "posted (merged)",
-            "fewer",
-            "GB/s merged",
-            "posted (skip_desc_merge)",
-            "GB/s unmerged",
-            "unmerged/merged time",
+            "ref ids",
+            "ref posted (merged)",
+            "ref posted (skip_desc_merge)",
+            "coalesced ids",
+            "coalesced posted (merged)",
+            "coalesced posted (skip_desc_merge)",
+            "GB/s ref merged",
+            "GB/s coalesced merged",
+            "GB/s ref unmerged",
+            "GB/s coalesced unmerged",
         ],
         rows_merge,
     )
@@ -801,7 +902,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": vars(args)}
     t0 = time.perf_counter()
     for s in args.sections.split(","):
+        ts = time.perf_counter()
         SECTIONS[s.strip()](args, results)
+        print(f"\n({s.strip()}: {time.perf_counter() - ts:.0f} s)")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
