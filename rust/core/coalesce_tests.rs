@@ -167,6 +167,18 @@ fn fragmented_requests_fall_back_to_single_ids() {
     let s = deepseek(512, &[10, 11, 12, 13, 14, 20], &[40, 41, 42, 43, 44, 46]);
     let (nc, _) = compare(&s);
     assert_eq!(nc, 61 * 3);
+    // Mostly fragmented (one adjacent pair in eight units saves less than a quarter of the ids): the plain id
+    // path, exactly the reference ids.
+    let s = deepseek(
+        512,
+        &[10, 11, 20, 30, 40, 50, 60, 70],
+        &[40, 41, 50, 60, 70, 80, 90, 99],
+    );
+    let (c, r) = (
+        Deployment::build(&s).unwrap(),
+        Deployment::build_with(&s, false).unwrap(),
+    );
+    assert_eq!(c.plan_all().unwrap()[0].plan, r.plan_all().unwrap()[0].plan);
 }
 
 #[test]

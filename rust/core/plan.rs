@@ -420,13 +420,14 @@ impl PeerPlan {
     fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>], lo: &mut Vec<i32>, ro: &mut Vec<i32>) {
         // The runs of a group are the same in every region: cut them into chunks once per group.
         let coalesced = self.chunks.iter().any(Option::is_some);
-        let runs: Vec<Vec<Run>> = (0..self.groups.len())
+        // `None` where coalescing saves less than a quarter of the ids (fragmented allocations): those groups
+        // take the plain id path, which is several times faster per id than walking runs of one unit.
+        let runs: Vec<Option<Vec<Run>>> = (0..self.groups.len())
             .map(|g| {
-                if coalesced && mask[g] && self.groups[g].is_attention() {
-                    runs(&l_units[g], &r_units[g])
-                } else {
-                    Vec::new()
-                }
+                let eligible = coalesced && mask[g] && self.groups[g].is_attention();
+                eligible
+                    .then(|| runs(&l_units[g], &r_units[g]))
+                    .filter(|runs| runs.len() * 4 <= l_units[g].len() * 3)
             })
             .collect();
         let mut n = 0;
@@ -434,9 +435,9 @@ impl PeerPlan {
             n += gs
                 .iter()
                 .filter(|&&g| mask[g])
-                .map(|&g| match self.chunks[r] {
-                    Some(_) => runs[g].len(),
-                    None => l_units[g].len(),
+                .map(|&g| match (&self.chunks[r], &runs[g]) {
+                    (Some(_), Some(runs)) => runs.len(),
+                    _ => l_units[g].len(),
                 })
                 .sum::<usize>();
         }
@@ -452,8 +453,8 @@ impl PeerPlan {
         for (r, gs) in self.region_groups.iter().enumerate() {
             for &g in gs.iter().filter(|&&g| mask[g]) {
                 let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
-                if let Some((lc, rc)) = &self.chunks[r] {
-                    for &Run { l, r, j } in &runs[g] {
+                if let (Some((lc, rc)), Some(runs)) = (&self.chunks[r], &runs[g]) {
+                    for &Run { l, r, j } in runs {
                         let (li, ri) = if j == 0 {
                             (ls + l, rs + r)
                         } else {
