@@ -69,6 +69,17 @@ def test_f2_request_ids_are_int32_and_match_the_reference(peer: PeerPlan) -> Non
     assert plan.notify_ranks == [0]
 
 
+def test_block_ids_may_be_tuples_or_numpy_arrays(peer: PeerPlan) -> None:
+    ref = peer.plan([[1], [2], [3]], [[1], [2], [3]]).transfers[0]
+    alt = peer.plan((np.array([1]), (2,), np.array([3], dtype=np.int32)), [[1], [2], [3]]).transfers[0]
+    assert alt.local_ids.tolist() == ref.local_ids.tolist()
+    assert alt.remote_ids.tolist() == ref.remote_ids.tolist()
+    with pytest.raises(PlanError, match="local block id -2 of group 1 is out of range"):
+        peer.plan([[1], np.array([-2]), [3]], [[1], [2], [3]])
+    with pytest.raises(TypeError):
+        peer.plan([[1], [2.5], [3]], [[1], [2], [3]])
+
+
 def test_tables_are_uint64_nx3_and_nx5(peer: PeerPlan) -> None:
     assert peer.table_keys == ["whole"]
     descs = peer.local_descs("whole")

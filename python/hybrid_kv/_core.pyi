@@ -1,5 +1,6 @@
 """Type stubs for the native module ``hybrid_kv._core`` (checked by ``mypy.stubtest`` in CI)."""
 
+from collections.abc import Sequence
 from typing import final
 
 import numpy as np
@@ -167,8 +168,9 @@ class PeerPlan:
     def local_rows(self, key: str) -> npt.NDArray[np.uint64]: ...
     def remote_descs(self, rank: int) -> npt.NDArray[np.uint64]: ...
     def remote_rows(self, rank: int) -> npt.NDArray[np.uint64]: ...
-    def plan(self, local_ids: list[list[int]], remote_ids: list[list[int]]) -> Plan:
-        """Plan one request from each side's logical block ids per group; raises ``PlanError``."""
+    def plan(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> Plan:
+        """Plan one request from each side's logical block ids per group (lists are read fastest; numpy
+        integer arrays work too); raises ``PlanError``."""
 
 def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> str:
     """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use super::arrays::u64_matrix;
 use super::errors::{LayoutError, PlanError, PyCoreError};
@@ -188,12 +189,13 @@ impl PyPeerPlan {
     /// Plan one request from each side's logical block ids per group.
     ///
     /// Args:
-    ///     local_ids (list[list[int]]): this rank's logical block ids, one list per KV-cache group.
-    ///     remote_ids (list[list[int]]): the peer's logical block ids, one list per group.
+    ///     local_ids (Sequence[Sequence[int]]): this rank's logical block ids, one sequence per KV-cache group
+    ///         (lists are read fastest; numpy integer arrays work too).
+    ///     remote_ids (Sequence[Sequence[int]]): the peer's logical block ids, one sequence per group.
     /// Raises:
     ///     PlanError: wrong group count, an id outside its pool (negative ids too), or lists that cannot be
     ///         paired.
-    fn plan(&self, py: Python<'_>, local_ids: Vec<Vec<i64>>, remote_ids: Vec<Vec<i64>>) -> PyResult<PyPlan> {
+    fn plan(&self, py: Python<'_>, local_ids: &Bound<'_, PyAny>, remote_ids: &Bound<'_, PyAny>) -> PyResult<PyPlan> {
         let (local_ids, remote_ids) = (block_ids(local_ids, "local")?, block_ids(remote_ids, "remote")?);
         let peer = Arc::clone(&self.inner);
         let plan = py
@@ -360,20 +362,30 @@ pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce:
 }
 
 /// Logical block ids from Python ints: a negative id is a `PlanError` naming it (not an `OverflowError`).
-fn block_ids(ids: Vec<Vec<i64>>, side: &str) -> PyResult<Vec<Vec<u64>>> {
-    ids.into_iter()
+/// Block ids per group from a sequence of sequences of ints (lists take a fast path: most of a short
+/// request's planning time through Python is reading its Python ints).
+fn block_ids(ids: &Bound<'_, PyAny>, side: &str) -> PyResult<Vec<Vec<u64>>> {
+    let bad = |g: usize, b: i64| {
+        PlanError::new_err(format!(
+            "{side} block id {b} of group {g} is out of range: block ids are non-negative"
+        ))
+    };
+    let groups: Vec<Bound<'_, PyAny>> = match ids.cast::<PyList>() {
+        Ok(list) => list.iter().collect(),
+        Err(_) => ids.try_iter()?.collect::<PyResult<_>>()?,
+    };
+    groups
+        .iter()
         .enumerate()
         .map(|(g, group)| {
-            group
-                .into_iter()
-                .map(|b| {
-                    u64::try_from(b).map_err(|_| {
-                        PlanError::new_err(format!(
-                            "{side} block id {b} of group {g} is out of range: block ids are non-negative"
-                        ))
-                    })
-                })
-                .collect()
+            let one = |item: Bound<'_, PyAny>| -> PyResult<u64> {
+                let b: i64 = item.extract()?;
+                u64::try_from(b).map_err(|_| bad(g, b))
+            };
+            match group.cast::<PyList>() {
+                Ok(list) => list.iter().map(one).collect(),
+                Err(_) => group.try_iter()?.map(|item| one(item?)).collect(),
+            }
         })
         .collect()
 }
