@@ -7,7 +7,7 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use super::arrays::u64_matrix;
+use super::arrays::{flat_descs, u64_matrix};
 use super::errors::{LayoutError, PlanError, PyCoreError};
 use super::region::PyRegionTable;
 use crate::core::plan::{PeerPlan, TableKey};
@@ -146,7 +146,7 @@ impl PyPeerPlan {
             .inner
             .local_table(k)
             .ok_or_else(|| PlanError::new_err(format!("no local table {key:?}")))?;
-        u64_matrix(py, t.to_flat(), 3)
+        flat_descs(py, t)
     }
 
     /// Local table `key` as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
@@ -171,7 +171,7 @@ impl PyPeerPlan {
             .inner
             .remote_table(rank)
             .ok_or_else(|| PlanError::new_err(format!("no remote rank {rank}")))?;
-        u64_matrix(py, t.to_flat(), 3)
+        flat_descs(py, t)
     }
 
     /// Remote rank `rank`'s table as strided `(rows, 5)` uint64 rows.

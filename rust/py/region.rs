@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use numpy::{PyArray2, PyArrayMethods};
+use numpy::PyArray2;
 use pyo3::prelude::*;
 
-use super::arrays::u64_matrix;
+use super::arrays::{flat_descs, u64_matrix};
 use super::errors::{LayoutError, PyCoreError};
 use crate::core::{AgentMeta, DescTable, EngineInfo, RankLayout, RegionTable};
 
@@ -111,19 +111,7 @@ impl PyRegionTable {
     ///     LayoutError: `bsr` does not divide a kernel page.
     #[pyo3(signature = (bsr = 1, *, coalesce = false))]
     fn local_descs<'py>(&self, py: Python<'py>, bsr: u64, coalesce: bool) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let table = self.table(bsr, coalesce)?;
-        // Allocate in numpy (which asks for huge pages on large arrays) and fill in place: first-touch page
-        // faults of a fresh Rust Vec cost more than the writes themselves at millions of descriptors.
-        let out = py
-            .import("numpy")?
-            .call_method1("empty", ((table.len() as usize, 3), "uint64"))?
-            .cast_into::<PyArray2<u64>>()?;
-        {
-            let mut view = out.readwrite();
-            let flat = view.as_slice_mut()?;
-            py.detach(|| table.write_flat(flat));
-        }
-        Ok(out)
+        flat_descs(py, &self.table(bsr, coalesce)?)
     }
 
     /// The local descriptor table as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
