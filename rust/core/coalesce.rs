@@ -56,6 +56,13 @@ impl ChunkStarts {
         let size = 1u64 << j;
         self.0[(size - 2 + (k & (size - 1))) as usize] + (k >> j)
     }
+
+    /// The flat start of the region's first chunk row, and the starts relative to it (which depend on the
+    /// region's unit count alone, so regions of equal counts share them).
+    pub fn split_base(&self) -> (u64, ChunkStarts) {
+        let base = self.0.first().copied().unwrap_or(0);
+        (base, ChunkStarts(self.0.iter().map(|s| s - base).collect()))
+    }
 }
 
 /// The region's dense unit row `(row, unit bytes)` when the flat range `[start, start + count)` of `table`

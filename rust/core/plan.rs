@@ -21,17 +21,18 @@
 //! * **Addresses** stay `u64` and are never dereferenced; `moves` resolves ids back to byte ranges so a plan
 //!   can be checked independently of how descriptors are indexed.
 
-use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts, MAX_CHUNK_LOG2};
+use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts};
 use super::descs::DescTable;
 use super::meta::{AgentMeta, TransferMode};
+use super::plan_emit::{Slots, Windows};
 use super::plan_error::{mismatch, PlanError, Side};
-use super::plan_ids::{window_units, IdSpace};
+use super::plan_ids::IdSpace;
 use super::plan_routes::{routes, Route};
 use super::region::{GroupKind, RegionTable};
 use super::remote::{hosts_attention, remote_table};
 use super::split::split_table;
 use super::tp::TpMapping;
-use super::trim::{trim, GroupTrim, Window};
+use super::trim::{trim, GroupTrim};
 use super::units::BlockUnits;
 
 /// Which local table a transfer indexes.
@@ -108,14 +109,10 @@ pub struct PeerPlan {
     /// Remote tables by remote rank, ascending.
     pub remote_tables: Vec<(u32, DescTable)>,
     groups: Vec<GroupKind>,
-    region_groups: Vec<Vec<usize>>,
-    ssm_groups: Vec<usize>,
-    ssm_streams: usize,
     local: IdSpace,
     remote: IdSpace,
     routes: Vec<Route>,
-    /// Per region, the chunk rows of the local and of the remote tables (both `Some`, or both `None`).
-    chunks: Vec<Option<(ChunkStarts, ChunkStarts)>>,
+    slots: Slots,
 }
 
 const ID_LIMIT: u64 = i32::MAX as u64;
@@ -235,7 +232,6 @@ impl PeerPlan {
                     .collect()
             })
             .collect();
-        let ssm_groups: Vec<usize> = (0..groups.len()).filter(|&g| groups[g] == GroupKind::Ssm).collect();
         let ssm_streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams()) * local.ssm_regions.len();
         let l_counts: Vec<u64> = local.regions.iter().map(|r| r.num_blocks * units.local_sub).collect();
         let r_counts: Vec<u64> = first.regions.iter().map(|r| r.num_blocks * units.remote_sub).collect();
@@ -289,6 +285,13 @@ impl PeerPlan {
         } else {
             vec![None; region_groups.len()]
         };
+        let slots = Slots::new(
+            &groups,
+            &region_groups,
+            ssm_streams,
+            (&local_space, &remote_space),
+            &chunks,
+        );
         Ok(PeerPlan {
             mode,
             mapping,
@@ -296,19 +299,16 @@ impl PeerPlan {
             local_tables,
             remote_tables,
             groups,
-            region_groups,
-            ssm_groups,
-            ssm_streams,
             local: local_space,
             remote: remote_space,
             routes,
-            chunks,
+            slots,
         })
     }
 
     /// Whether some region's runs are coalesced into chunk descriptors (its tables have chunk rows).
     pub fn coalesced(&self) -> bool {
-        self.chunks.iter().any(Option::is_some)
+        self.slots.coalesced()
     }
 
     /// The local table of `key`.
@@ -368,20 +368,11 @@ impl PeerPlan {
             lw.push(l);
             rw.push(r);
         }
-        let units = |ids: &[Vec<u64>], w: &[Window], u: u64| -> Vec<Vec<u64>> {
-            self.groups
-                .iter()
-                .enumerate()
-                .map(|(g, k)| {
-                    if k.is_attention() {
-                        window_units(&ids[g], u, w[g])
-                    } else {
-                        w[g].of(&ids[g]).to_vec()
-                    }
-                })
-                .collect()
+        let windows = Windows {
+            local: (local_ids, &lw, lu),
+            remote: (remote_ids, &rw, ru),
         };
-        let (l_units, r_units) = (units(local_ids, &lw, lu), units(remote_ids, &rw, ru));
+        let group_ids = self.slots.request(&self.groups, &windows);
         let mut done: Vec<(&[bool], usize)> = Vec::new();
         let mut transfers: Vec<RankTransfer> = Vec::with_capacity(self.routes.len());
         for route in &self.routes {
@@ -399,7 +390,9 @@ impl PeerPlan {
                     t.local_ids.extend_from_slice(&transfers[i].local_ids);
                     t.remote_ids.extend_from_slice(&transfers[i].remote_ids);
                 }
-                None => self.emit(&route.groups, &l_units, &r_units, &mut t.local_ids, &mut t.remote_ids),
+                None => self
+                    .slots
+                    .emit(&route.groups, &group_ids, &mut t.local_ids, &mut t.remote_ids),
             }
             if t.local_ids.is_empty() {
                 spare.push(t);
@@ -414,68 +407,6 @@ impl PeerPlan {
         out.transfers = transfers;
         out.notify_ranks.extend(self.remote_tables.iter().map(|(r, _)| *r));
         Ok(())
-    }
-
-    /// Region-major ids of the groups in `mask`.
-    fn emit(&self, mask: &[bool], l_units: &[Vec<u64>], r_units: &[Vec<u64>], lo: &mut Vec<i32>, ro: &mut Vec<i32>) {
-        // The runs of a group are the same in every region: cut them into chunks once per group.
-        let coalesced = self.chunks.iter().any(Option::is_some);
-        // `None` where coalescing saves less than a quarter of the ids (fragmented allocations): those groups
-        // take the plain id path, which is several times faster per id than walking runs of one unit.
-        let runs: Vec<Option<Vec<Run>>> = (0..self.groups.len())
-            .map(|g| {
-                let eligible = coalesced && mask[g] && self.groups[g].is_attention();
-                eligible
-                    .then(|| runs(&l_units[g], &r_units[g]))
-                    .filter(|runs| runs.len() * 4 <= l_units[g].len() * 3)
-            })
-            .collect();
-        let mut n = 0;
-        for (r, gs) in self.region_groups.iter().enumerate() {
-            n += gs
-                .iter()
-                .filter(|&&g| mask[g])
-                .map(|&g| match (&self.chunks[r], &runs[g]) {
-                    (Some(_), Some(runs)) => runs.len(),
-                    _ => l_units[g].len(),
-                })
-                .sum::<usize>();
-        }
-        n += self.ssm_streams
-            * self
-                .ssm_groups
-                .iter()
-                .filter(|&&g| mask[g])
-                .map(|&g| l_units[g].len())
-                .sum::<usize>();
-        lo.reserve(n);
-        ro.reserve(n);
-        for (r, gs) in self.region_groups.iter().enumerate() {
-            for &g in gs.iter().filter(|&&g| mask[g]) {
-                let (ls, rs) = (self.local.region_start[r], self.remote.region_start[r]);
-                if let (Some((lc, rc)), Some(runs)) = (&self.chunks[r], &runs[g]) {
-                    for &Run { l, r, j } in runs {
-                        let (li, ri) = if j == 0 {
-                            (ls + l, rs + r)
-                        } else {
-                            (lc.id(l, j), rc.id(r, j))
-                        };
-                        lo.push(li as i32);
-                        ro.push(ri as i32);
-                    }
-                    continue;
-                }
-                lo.extend(l_units[g].iter().map(|&u| (ls + u) as i32));
-                ro.extend(r_units[g].iter().map(|&u| (rs + u) as i32));
-            }
-        }
-        for s in 0..self.ssm_streams {
-            for &g in self.ssm_groups.iter().filter(|&&g| mask[g]) {
-                let (ls, rs) = (self.local.ssm_start[s], self.remote.ssm_start[s]);
-                lo.extend(l_units[g].iter().map(|&b| (ls + b) as i32));
-                ro.extend(r_units[g].iter().map(|&b| (rs + b) as i32));
-            }
-        }
     }
 
     /// Resolve a transfer into byte moves `[local_addr, remote_addr, len]`, one per descriptor pair.
@@ -598,35 +529,6 @@ fn add_chunk_rows(
         *t = c;
     }
     chunks
-}
-
-/// `2^j` units starting at local unit `l` and remote unit `r` (`j == 0`: one unit, a plain id).
-#[derive(Debug, Clone, Copy)]
-struct Run {
-    l: u64,
-    r: u64,
-    j: u32,
-}
-
-/// A group's paired unit lists cut into chunks: every run of units consecutive on both sides is covered
-/// greedily by the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits, anything else is one unit.
-fn runs(l: &[u64], r: &[u64]) -> Vec<Run> {
-    let max = 1usize << MAX_CHUNK_LOG2;
-    let n = l.len().min(r.len());
-    let mut out = Vec::with_capacity(n.div_ceil(max) + 8);
-    let mut i = 0;
-    while i < n {
-        let (l0, r0) = (l[i], r[i]);
-        let cap = max.min(n - i);
-        let mut m = 1;
-        while m < cap && l[i + m] == l0 + m as u64 && r[i + m] == r0 + m as u64 {
-            m += 1;
-        }
-        let j = m.ilog2();
-        out.push(Run { l: l0, r: r0, j });
-        i += 1 << j;
-    }
-    out
 }
 
 impl Plan {

@@ -1,0 +1,295 @@
+//! Emitting a request's descriptor ids. [`Slots`] lists, once per peer plan, every (region, attention
+//! group) and (SSM stream, group) pair in id order with both sides' id bases; [`Slots::request`] turns one
+//! request's trimmed windows into per-group id lists, and [`Slots::emit`] writes every slot of a route
+//! from them with one add per id.
+//!
+//! Coalesced regions with equal unit counts share one chunk-row layout (the same rows, at different flat
+//! starts), so a group's chunk ids are resolved once per layout and request, not once per region: a slot
+//! then adds its region's base to each relative id (the chunk rows' base for chunks, the region's own
+//! units' base for lone units).
+
+use super::coalesce::ChunkStarts;
+use super::plan_ids::{window_units, IdSpace};
+use super::plan_runs::{chunk_runs, UnitCursor};
+use super::region::GroupKind;
+use super::trim::Window;
+
+/// Id slots of a peer plan, in emission order.
+#[derive(Debug, Clone)]
+pub(crate) struct Slots {
+    attn: Vec<AttnSlot>,
+    ssm: Vec<SsmSlot>,
+    /// Relative chunk layouts `(local, remote)` (starts minus the first), shared by regions of equal counts.
+    layouts: Vec<(ChunkStarts, ChunkStarts)>,
+    /// Per group: the layouts its coalesced slots use (empty: not coalesced anywhere).
+    group_layouts: Vec<Vec<usize>>,
+    /// Per group: how many of its slots are coalesced and how many take one id per unit (or state).
+    slot_counts: Vec<(usize, usize)>,
+}
+
+/// One region's attention ids of one group.
+#[derive(Debug, Clone, Copy)]
+struct AttnSlot {
+    group: usize,
+    /// Flat starts of the region's unit descriptors, local and remote.
+    start: (u64, u64),
+    /// Coalesced: the index into the group's layouts and the flat starts of the region's chunk rows.
+    chunks: Option<(usize, (u64, u64))>,
+}
+
+/// One SSM stream's ids of one group.
+#[derive(Debug, Clone, Copy)]
+struct SsmSlot {
+    group: usize,
+    start: (u64, u64),
+}
+
+/// One request's ids of one group, relative to a slot's bases.
+#[derive(Debug, Default)]
+pub(crate) struct GroupIds {
+    /// Transferred units (attention) or states (SSM).
+    len: usize,
+    /// Coalesced groups whose runs save at least a quarter of the ids.
+    chunked: Option<ChunkedIds>,
+    /// Unit (attention) or state (SSM) ids, local and remote, where some slot takes one id per unit.
+    units: (Vec<u64>, Vec<u64>),
+}
+
+/// A coalesced group's runs: per run whether it is a chunk (else a lone unit), and the runs' ids relative
+/// to a slot's bases, `(local, remote)` per layout of the group.
+#[derive(Debug)]
+struct ChunkedIds {
+    is_chunk: Vec<bool>,
+    per_layout: Vec<(Vec<u64>, Vec<u64>)>,
+}
+
+/// The transferred windows of one request: each side's logical ids, windows and units per logical block.
+pub(crate) struct Windows<'a> {
+    pub(crate) local: (&'a [Vec<u64>], &'a [Window], u64),
+    pub(crate) remote: (&'a [Vec<u64>], &'a [Window], u64),
+}
+
+impl Slots {
+    /// Slots of `region_groups` (attention groups per region) and of `ssm_streams` streams per SSM group;
+    /// `chunks` are the per-region chunk starts of the coalesced regions.
+    pub(crate) fn new(
+        groups: &[GroupKind],
+        region_groups: &[Vec<usize>],
+        ssm_streams: usize,
+        (local, remote): (&IdSpace, &IdSpace),
+        chunks: &[Option<(ChunkStarts, ChunkStarts)>],
+    ) -> Slots {
+        let mut layouts: Vec<(ChunkStarts, ChunkStarts)> = Vec::new();
+        let mut group_layouts = vec![Vec::new(); groups.len()];
+        let mut slot_counts = vec![(0, 0); groups.len()];
+        let mut attn = Vec::new();
+        for (r, gs) in region_groups.iter().enumerate() {
+            // The region's layout index and chunk bases, shared by all its groups.
+            let coalesced = chunks[r].as_ref().map(|(lc, rc)| {
+                let ((lb, lrel), (rb, rrel)) = (lc.split_base(), rc.split_base());
+                let rel = (lrel, rrel);
+                let c = layouts.iter().position(|l| *l == rel).unwrap_or_else(|| {
+                    layouts.push(rel);
+                    layouts.len() - 1
+                });
+                (c, (lb, rb))
+            });
+            for &g in gs {
+                let chunks = coalesced.map(|(c, bases)| {
+                    let used = &mut group_layouts[g];
+                    let i = used.iter().position(|&u| u == c).unwrap_or_else(|| {
+                        used.push(c);
+                        used.len() - 1
+                    });
+                    (i, bases)
+                });
+                let counts = &mut slot_counts[g];
+                *(if chunks.is_some() { &mut counts.0 } else { &mut counts.1 }) += 1;
+                let start = (local.region_start[r], remote.region_start[r]);
+                attn.push(AttnSlot {
+                    group: g,
+                    start,
+                    chunks,
+                });
+            }
+        }
+        let ssm_groups: Vec<usize> = (0..groups.len()).filter(|&g| groups[g] == GroupKind::Ssm).collect();
+        for &g in &ssm_groups {
+            slot_counts[g].1 = ssm_streams;
+        }
+        let ssm = (0..ssm_streams)
+            .flat_map(|s| {
+                let start = (local.ssm_start[s], remote.ssm_start[s]);
+                ssm_groups.iter().map(move |&group| SsmSlot { group, start })
+            })
+            .collect();
+        Slots {
+            attn,
+            ssm,
+            layouts,
+            group_layouts,
+            slot_counts,
+        }
+    }
+
+    /// Whether some region's runs are coalesced into chunk descriptors.
+    pub(crate) fn coalesced(&self) -> bool {
+        !self.layouts.is_empty()
+    }
+
+    /// Per group, the ids of one request's windows `w`.
+    pub(crate) fn request(&self, groups: &[GroupKind], w: &Windows<'_>) -> Vec<GroupIds> {
+        let ((lids, lw, lu), (rids, rw, ru)) = (w.local, w.remote);
+        (0..groups.len())
+            .map(|g| {
+                let len = lw[g].len as usize;
+                if !groups[g].is_attention() {
+                    let units = (lw[g].of(&lids[g]).to_vec(), rw[g].of(&rids[g]).to_vec());
+                    return GroupIds {
+                        len,
+                        chunked: None,
+                        units,
+                    };
+                }
+                let chunked = (!self.group_layouts[g].is_empty())
+                    .then(|| {
+                        let mut runs = Vec::new();
+                        let (l, r) = (
+                            UnitCursor::new(&lids[g], lu, lw[g]),
+                            UnitCursor::new(&rids[g], ru, rw[g]),
+                        );
+                        chunk_runs(l, r, &mut runs);
+                        runs
+                    })
+                    .filter(|runs| runs.len() * 4 <= len * 3)
+                    .map(|runs| {
+                        let is_chunk = runs.iter().map(|run| run.j > 0).collect();
+                        let per_layout = self.group_layouts[g]
+                            .iter()
+                            .map(|&c| {
+                                let (lc, rc) = &self.layouts[c];
+                                let rel = |k: u64, j: u32, c: &ChunkStarts| if j == 0 { k } else { c.id(k, j) };
+                                let local = runs.iter().map(|run| rel(run.l, run.j, lc)).collect();
+                                let remote = runs.iter().map(|run| rel(run.r, run.j, rc)).collect();
+                                (local, remote)
+                            })
+                            .collect();
+                        ChunkedIds { is_chunk, per_layout }
+                    });
+                let units = if chunked.is_none() || self.slot_counts[g].1 > 0 {
+                    (window_units(&lids[g], lu, lw[g]), window_units(&rids[g], ru, rw[g]))
+                } else {
+                    Default::default()
+                };
+                GroupIds { len, chunked, units }
+            })
+            .collect()
+    }
+
+    /// Append the ids of every slot of the groups in `mask`, local to `lo` and remote to `ro`.
+    pub(crate) fn emit(&self, mask: &[bool], ids: &[GroupIds], lo: &mut Vec<i32>, ro: &mut Vec<i32>) {
+        let n: usize = (0..ids.len())
+            .filter(|&g| mask[g])
+            .map(|g| {
+                let (chunked, plain) = self.slot_counts[g];
+                let per_chunked = ids[g].chunked.as_ref().map_or(ids[g].len, |c| c.is_chunk.len());
+                chunked * per_chunked + plain * ids[g].len
+            })
+            .sum();
+        if n == 0 {
+            return;
+        }
+        lo.reserve(n);
+        ro.reserve(n);
+        let plain = |start: (u64, u64), units: &(Vec<u64>, Vec<u64>), lo: &mut Vec<i32>, ro: &mut Vec<i32>| {
+            lo.extend(units.0.iter().map(|&u| (start.0 + u) as i32));
+            ro.extend(units.1.iter().map(|&u| (start.1 + u) as i32));
+        };
+        for s in self.attn.iter().filter(|s| mask[s.group]) {
+            let g = &ids[s.group];
+            match (s.chunks, &g.chunked) {
+                (Some((i, (lb, rb))), Some(ChunkedIds { is_chunk, per_layout })) => {
+                    let (local, remote) = &per_layout[i];
+                    let base = |chunk: bool, unit: u64, chunk_base: u64| if chunk { chunk_base } else { unit };
+                    lo.extend(
+                        local
+                            .iter()
+                            .zip(is_chunk)
+                            .map(|(&k, &c)| (base(c, s.start.0, lb) + k) as i32),
+                    );
+                    ro.extend(
+                        remote
+                            .iter()
+                            .zip(is_chunk)
+                            .map(|(&k, &c)| (base(c, s.start.1, rb) + k) as i32),
+                    );
+                }
+                _ => plain(s.start, &g.units, lo, ro),
+            }
+        }
+        for s in self.ssm.iter().filter(|s| mask[s.group]) {
+            plain(s.start, &ids[s.group].units, lo, ro);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::coalesce::with_chunk_rows;
+    use crate::core::descs::{DescTable, StridedRow};
+    use crate::core::plan_runs::Run;
+
+    #[test]
+    fn regions_of_different_layouts_and_plain_regions_emit_their_direct_ids() {
+        // Three dense regions of 40, 70 and 40 units; the first two coalesced (two layouts), the third not.
+        let counts = [40u64, 70, 40];
+        let starts = [0u64, 40, 110];
+        let rows = (0..3)
+            .map(|i| StridedRow {
+                addr: 0x10000 * (i as u64 + 1),
+                len: 8,
+                device: 0,
+                stride: 8,
+                count: counts[i],
+            })
+            .collect();
+        let table = DescTable::new(rows, 150);
+        let (_, chunk_starts) = with_chunk_rows(&table, &starts, &counts, &[true, true, false]);
+        let chunks: Vec<_> = chunk_starts.into_iter().map(|c| c.map(|c| (c.clone(), c))).collect();
+        let groups = [GroupKind::Attention];
+        let region_groups = vec![vec![0], vec![0], vec![0]];
+        let space = IdSpace::new(&counts, 150, 0, 1, 1, 16, 40, &region_groups, &groups);
+        let slots = Slots::new(&groups, &region_groups, 0, (&space, &space), &chunks);
+        assert_eq!(slots.layouts.len(), 2);
+        // Runs of 11, 9 and 2 units consecutive on both sides (chunks 8+2+1, 8+1 and 2).
+        let lids = vec![(0..20).chain([30, 31]).collect::<Vec<u64>>()];
+        let rids = vec![(5..16).chain(20..29).chain([35, 36]).collect::<Vec<u64>>()];
+        let w = [Window::all(22)];
+        let windows = Windows {
+            local: (&lids, &w, 1),
+            remote: (&rids, &w, 1),
+        };
+        let ids = slots.request(&groups, &windows);
+        let (mut lo, mut ro) = (Vec::new(), Vec::new());
+        slots.emit(&[true], &ids, &mut lo, &mut ro);
+
+        let mut runs = Vec::new();
+        chunk_runs(UnitCursor::new(&lids[0], 1, w[0]), UnitCursor::new(&rids[0], 1, w[0]), &mut runs);
+        assert_eq!(runs.len(), 6, "{runs:?}");
+        let (mut want_l, mut want_r) = (Vec::new(), Vec::new());
+        for r in 0..3 {
+            if let Some((c, _)) = &chunks[r] {
+                for &Run { l, r: rr, j } in &runs {
+                    let id = |k: u64| if j == 0 { starts[r] + k } else { c.id(k, j) };
+                    want_l.push(id(l) as i32);
+                    want_r.push(id(rr) as i32);
+                }
+            } else {
+                want_l.extend(lids[0].iter().map(|&u| (starts[r] + u) as i32));
+                want_r.extend(rids[0].iter().map(|&u| (starts[r] + u) as i32));
+            }
+        }
+        assert_eq!((lo, ro), (want_l, want_r));
+    }
+}

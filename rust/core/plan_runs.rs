@@ -1,0 +1,216 @@
+//! Chunk runs of one group's paired unit windows, found on the *logical* block ids: a logical block is
+//! `u` consecutive units, so runs are walked one block (not one unit) at a time and the unit expansion of a
+//! coalesced group is never materialised.
+
+use super::coalesce::MAX_CHUNK_LOG2;
+use super::trim::Window;
+
+/// `2^j` units starting at local unit `l` and remote unit `r` (`j == 0`: one unit, a plain id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub(crate) l: u64,
+    pub(crate) r: u64,
+    pub(crate) j: u32,
+}
+
+/// Position in the window `w` of the unit expansion of logical `ids` (`u` units per logical block).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UnitCursor<'a> {
+    ids: &'a [u64],
+    u: u64,
+    block: usize,
+    offset: u64,
+    left: u64,
+}
+
+impl<'a> UnitCursor<'a> {
+    /// Cursor at the first unit of window `w` of `ids` expanded to `u` units per id.
+    pub(crate) fn new(ids: &'a [u64], u: u64, w: Window) -> UnitCursor<'a> {
+        UnitCursor {
+            ids,
+            u,
+            block: (w.start / u) as usize,
+            offset: w.start % u,
+            left: w.len,
+        }
+    }
+
+    /// The current unit and how many consecutive units follow it inside its logical block and the window.
+    fn span(&self) -> (u64, u64) {
+        (
+            self.ids[self.block] * self.u + self.offset,
+            (self.u - self.offset).min(self.left),
+        )
+    }
+
+    fn advance(&mut self, n: u64) {
+        self.offset += n;
+        self.left -= n;
+        if self.offset == self.u {
+            (self.block, self.offset) = (self.block + 1, 0);
+        }
+    }
+}
+
+/// Append to `out` the chunks of two equally long unit windows: every maximal run of units consecutive on
+/// both sides is covered greedily by the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits (the
+/// rest of a run continues after it), so a lone unit is a `j == 0` run.
+pub(crate) fn chunk_runs(mut l: UnitCursor<'_>, mut r: UnitCursor<'_>, out: &mut Vec<Run>) {
+    let mut left = l.left.min(r.left);
+    if l.u == r.u && l.offset == r.offset {
+        return aligned_runs(l, r, left, out);
+    }
+    // The maximal run being grown: (local start, remote start, units).
+    let mut open: Option<(u64, u64, u64)> = None;
+    while left > 0 {
+        let ((lu, ln), (ru, rn)) = (l.span(), r.span());
+        let take = ln.min(rn).min(left);
+        open = match open {
+            Some((l0, r0, n)) if l0 + n == lu && r0 + n == ru => Some((l0, r0, n + take)),
+            other => {
+                if let Some(run) = other {
+                    cut(run, out);
+                }
+                Some((lu, ru, take))
+            }
+        };
+        l.advance(take);
+        r.advance(take);
+        left -= take;
+    }
+    if let Some(run) = open {
+        cut(run, out);
+    }
+}
+
+/// [`chunk_runs`] when the two windows' logical blocks pair one to one (same units per block, same offset
+/// into the first block): a run continues exactly while both sides' next logical ids are consecutive, so
+/// it is found by one tight scan of the id lists.
+fn aligned_runs(l: UnitCursor<'_>, r: UnitCursor<'_>, left: u64, out: &mut Vec<Run>) {
+    if left == 0 {
+        return;
+    }
+    let (u, first) = (l.u, l.offset);
+    let blocks = (first + left).div_ceil(u) as usize;
+    let (ls, rs) = (&l.ids[l.block..l.block + blocks], &r.ids[r.block..r.block + blocks]);
+    let mut i = 0;
+    while i < blocks {
+        let mut k = i + 1;
+        while k < blocks && ls[k] == ls[k - 1] + 1 && rs[k] == rs[k - 1] + 1 {
+            k += 1;
+        }
+        // Window units of blocks i..k, as offsets into block i.
+        let (b0, b1) = (i as u64 * u, k as u64 * u);
+        let (start, end) = (b0.max(first), b1.min(first + left));
+        cut((ls[i] * u + start - b0, rs[i] * u + start - b0, end - start), out);
+        i = k;
+    }
+}
+
+/// Cut one maximal run into power-of-two chunks, largest first.
+fn cut((mut l, mut r, mut n): (u64, u64, u64), out: &mut Vec<Run>) {
+    let max = 1u64 << MAX_CHUNK_LOG2;
+    while n > 0 {
+        let j = n.min(max).ilog2();
+        out.push(Run { l, r, j });
+        (l, r, n) = (l + (1 << j), r + (1 << j), n - (1 << j));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::plan_ids::window_units;
+    use proptest::prelude::*;
+
+    /// The definition: greedy largest chunk over the materialised unit lists.
+    fn unit_level(l: &[u64], r: &[u64]) -> Vec<Run> {
+        let max = 1usize << MAX_CHUNK_LOG2;
+        let n = l.len().min(r.len());
+        let (mut out, mut i) = (Vec::new(), 0);
+        while i < n {
+            let (l0, r0) = (l[i], r[i]);
+            let mut m = 1;
+            while m < max.min(n - i) && l[i + m] == l0 + m as u64 && r[i + m] == r0 + m as u64 {
+                m += 1;
+            }
+            let j = m.ilog2();
+            out.push(Run { l: l0, r: r0, j });
+            i += 1 << j;
+        }
+        out
+    }
+
+    fn ids_strategy() -> impl Strategy<Value = Vec<u64>> {
+        // Mostly consecutive ids with jumps, so long runs and breaks both occur.
+        prop::collection::vec((0u64..3, 0u64..40), 1..60).prop_map(|steps| {
+            let mut cur = 100;
+            steps
+                .into_iter()
+                .map(|(kind, jump)| {
+                    cur = if kind == 0 { cur + 2 + jump } else { cur + 1 };
+                    cur
+                })
+                .collect()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn logical_runs_equal_the_unit_level_definition(
+            lids in ids_strategy(),
+            rids in ids_strategy(),
+            lu in 1u64..9,
+            ru in 1u64..9,
+            start in 0u64..20,
+            len in 0u64..400,
+        ) {
+            let total = (lids.len() as u64 * lu).min(rids.len() as u64 * ru);
+            let start = start.min(total);
+            let len = len.min(total - start);
+            // Equal-length windows at different offsets on the two sides, as trimming produces.
+            let lw = Window { start: lids.len() as u64 * lu - start - len, len };
+            let rw = Window { start, len };
+            let mut got = Vec::new();
+            chunk_runs(UnitCursor::new(&lids, lu, lw), UnitCursor::new(&rids, ru, rw), &mut got);
+            let want = unit_level(&window_units(&lids, lu, lw), &window_units(&rids, ru, rw));
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn aligned_runs_equal_the_unit_level_definition(
+            lids in ids_strategy(),
+            rids in ids_strategy(),
+            u in 1u64..9,
+            l_block in 0u64..60,
+            r_block in 0u64..60,
+            offset in 0u64..8,
+            len in 0u64..400,
+        ) {
+            // Same units per block and the same offset into the first block on both sides.
+            let offset = offset % u;
+            let (nl, nr) = (lids.len() as u64, rids.len() as u64);
+            let lw = Window { start: (l_block % nl) * u + offset, len: 0 };
+            let rw = Window { start: (r_block % nr) * u + offset, len: 0 };
+            let len = len.min(nl * u - lw.start).min(nr * u - rw.start);
+            let (lw, rw) = (Window { len, ..lw }, Window { len, ..rw });
+            let mut got = Vec::new();
+            chunk_runs(UnitCursor::new(&lids, u, lw), UnitCursor::new(&rids, u, rw), &mut got);
+            let want = unit_level(&window_units(&lids, u, lw), &window_units(&rids, u, rw));
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn a_long_contiguous_run_is_cut_largest_first() {
+        let ids: Vec<u64> = (0..20).collect();
+        let mut got = Vec::new();
+        let w = Window { start: 0, len: 20 * 8 };
+        chunk_runs(UnitCursor::new(&ids, 8, w), UnitCursor::new(&ids, 8, w), &mut got);
+        let js: Vec<u32> = got.iter().map(|r| r.j).collect();
+        assert_eq!(js, [6, 6, 5]);
+        assert_eq!((got[2].l, got[2].r), (128, 128));
+    }
+}
