@@ -4,6 +4,7 @@ mod arrays;
 mod check;
 mod errors;
 mod handshake;
+mod ids;
 mod plan;
 mod region;
 

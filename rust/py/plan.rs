@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
 
 use super::arrays::{flat_descs, u64_matrix};
 use super::errors::{LayoutError, PlanError, PyCoreError};
+use super::ids::block_ids;
 use super::region::PyRegionTable;
 use crate::core::plan::{PeerPlan, TableKey};
 use crate::core::plan_error::PlanError as CorePlanError;
@@ -359,35 +359,6 @@ pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce:
         serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
     });
     out.map_err(|e| PyCoreError::from(e).into())
-}
-
-/// Logical block ids from Python ints: a negative id is a `PlanError` naming it (not an `OverflowError`).
-/// Block ids per group from a sequence of sequences of ints (lists take a fast path: most of a short
-/// request's planning time through Python is reading its Python ints).
-fn block_ids(ids: &Bound<'_, PyAny>, side: &str) -> PyResult<Vec<Vec<u64>>> {
-    let bad = |g: usize, b: i64| {
-        PlanError::new_err(format!(
-            "{side} block id {b} of group {g} is out of range: block ids are non-negative"
-        ))
-    };
-    let groups: Vec<Bound<'_, PyAny>> = match ids.cast::<PyList>() {
-        Ok(list) => list.iter().collect(),
-        Err(_) => ids.try_iter()?.collect::<PyResult<_>>()?,
-    };
-    groups
-        .iter()
-        .enumerate()
-        .map(|(g, group)| {
-            let one = |item: Bound<'_, PyAny>| -> PyResult<u64> {
-                let b: i64 = item.extract()?;
-                u64::try_from(b).map_err(|_| bad(g, b))
-            };
-            match group.cast::<PyList>() {
-                Ok(list) => list.iter().map(one).collect(),
-                Err(_) => group.try_iter()?.map(|item| one(item?)).collect(),
-            }
-        })
-        .collect()
 }
 
 /// The remote ranks a local rank handshakes and exchanges data with (reference C.2): the one remote rank
