@@ -199,37 +199,53 @@ impl Slots {
         if n == 0 {
             return;
         }
-        lo.reserve(n);
-        ro.reserve(n);
-        let plain = |start: (u64, u64), units: &(Vec<u64>, Vec<u64>), lo: &mut Vec<i32>, ro: &mut Vec<i32>| {
-            lo.extend(units.0.iter().map(|&u| (start.0 + u) as i32));
-            ro.extend(units.1.iter().map(|&u| (start.1 + u) as i32));
+        // Sized once and written through slices: a request's slots are many short lists (one id per slot for
+        // a short contiguous request), where `extend`'s per-call setup costs more than the ids.
+        let (l0, r0) = (lo.len(), ro.len());
+        lo.resize(l0 + n, 0);
+        ro.resize(r0 + n, 0);
+        let mut out = Unwritten {
+            local: &mut lo[l0..],
+            remote: &mut ro[r0..],
+        };
+        let plain = |start: (u64, u64), units: &(Vec<u64>, Vec<u64>), (l, r): (&mut [i32], &mut [i32])| {
+            l.iter_mut().zip(&units.0).for_each(|(o, &u)| *o = (start.0 + u) as i32);
+            r.iter_mut().zip(&units.1).for_each(|(o, &u)| *o = (start.1 + u) as i32);
         };
         for s in self.attn.iter().filter(|s| mask[s.group]) {
             let g = &ids[s.group];
             match (s.chunks, &g.chunked) {
                 (Some((i, (lb, rb))), Some(ChunkedIds { is_chunk, per_layout })) => {
                     let (local, remote) = &per_layout[i];
-                    let base = |chunk: bool, unit: u64, chunk_base: u64| if chunk { chunk_base } else { unit };
-                    lo.extend(
-                        local
-                            .iter()
-                            .zip(is_chunk)
-                            .map(|(&k, &c)| (base(c, s.start.0, lb) + k) as i32),
-                    );
-                    ro.extend(
-                        remote
-                            .iter()
-                            .zip(is_chunk)
-                            .map(|(&k, &c)| (base(c, s.start.1, rb) + k) as i32),
-                    );
+                    let (l, r) = out.take(is_chunk.len());
+                    let rel = local.iter().zip(remote).zip(is_chunk);
+                    for ((ol, or), ((&kl, &kr), &chunk)) in l.iter_mut().zip(r).zip(rel) {
+                        let (bl, br) = if chunk { (lb, rb) } else { s.start };
+                        (*ol, *or) = ((bl + kl) as i32, (br + kr) as i32);
+                    }
                 }
-                _ => plain(s.start, &g.units, lo, ro),
+                _ => plain(s.start, &g.units, out.take(g.len)),
             }
         }
         for s in self.ssm.iter().filter(|s| mask[s.group]) {
-            plain(s.start, &ids[s.group].units, lo, ro);
+            plain(s.start, &ids[s.group].units, out.take(ids[s.group].len));
         }
+    }
+}
+
+/// The not yet written part of a route's local and remote id lists.
+struct Unwritten<'a> {
+    local: &'a mut [i32],
+    remote: &'a mut [i32],
+}
+
+impl<'a> Unwritten<'a> {
+    /// The next `n` local and remote ids to write.
+    fn take(&mut self, n: usize) -> (&'a mut [i32], &'a mut [i32]) {
+        let (l, local) = std::mem::take(&mut self.local).split_at_mut(n);
+        let (r, remote) = std::mem::take(&mut self.remote).split_at_mut(n);
+        (self.local, self.remote) = (local, remote);
+        (l, r)
     }
 }
 
@@ -275,7 +291,11 @@ mod tests {
         slots.emit(&[true], &ids, &mut lo, &mut ro);
 
         let mut runs = Vec::new();
-        chunk_runs(UnitCursor::new(&lids[0], 1, w[0]), UnitCursor::new(&rids[0], 1, w[0]), &mut runs);
+        chunk_runs(
+            UnitCursor::new(&lids[0], 1, w[0]),
+            UnitCursor::new(&rids[0], 1, w[0]),
+            &mut runs,
+        );
         assert_eq!(runs.len(), 6, "{runs:?}");
         let (mut want_l, mut want_r) = (Vec::new(), Vec::new());
         for r in 0..3 {
