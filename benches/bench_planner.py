@@ -10,7 +10,10 @@ interleaved round-robin so noise hits them alike):
 1. ``tables``: the local descriptor table of DeepSeek-V3 (61 MLA regions x 100,000 kernel blocks = 6.1 M
    descriptors) and Kimi-Linear-48B-A3B (7 HMA regions shared by MLA + KDA, TP1 and TP4): hybrid-kv
    ``RegionTable.local_descs`` (N x 3) and ``local_rows`` (strided N x 5) against the NumPy build of
-   vLLM PR #48209 (``baselines.numpy_impl``) and a Python loop (``baselines.python_loop``).
+   vLLM PR #48209 (``baselines.numpy_impl``) and a Python loop (``baselines.python_loop``). Building an
+   N x 3 table is bound by first-touch page faults when its memory is fresh, so the section runs twice,
+   each in a child process with glibc's allocator pinned: ``fresh`` (every large block a new mapping, as
+   at start-up) and ``reused`` (large blocks recycled, as in a process that rebuilt tables before).
 2. ``prep``: table -> prepped NIXL handle (``prep_xfer_dlist`` on a real DRAM agent, same descriptor
    counts, regions scaled down to fit a real buffer) for the N x 3 and the strided N x 5 forms.
 3. ``planning``: the ids of one request, ``PeerPlan.plan`` in both modes against the NumPy D.3/D.5 build:
@@ -136,17 +139,30 @@ def side_by_side(
     *,
     repeats_for: dict[str, int] | None = None,
     inner: dict[str, int] | None = None,
+    sample_s: float | None = None,
 ) -> Timings:
-    """Time every implementation ``repeats`` times, one call of each per round, after one warm-up call.
+    """Time every implementation ``repeats`` times, one sample of each per round, after a warm-up.
 
-    ``repeats_for`` caps the rounds of slow implementations; ``inner`` times a batch of calls per sample
-    (for microsecond work) and divides.
+    ``repeats_for`` caps the rounds of slow implementations. ``inner`` times a batch of calls per sample
+    (for microsecond work) and divides; ``sample_s`` instead sizes each implementation's batch so that one
+    sample lasts about that long, so fast and slow implementations are timed over equally long stretches
+    (a 50-call batch of a 2 us call is over before caches and branch predictors settle, one of a 25 us call
+    is not). Each call's result is dropped before the next call, as a connector drops ids once posted. The
+    warm-up is one batch (one call left the first case's NumPy baseline up to 1.6x slower than later ones).
     """
     caps = repeats_for or {}
-    inner = inner or {}
+    inner = dict(inner or {})
     res = Timings({k: [] for k in impls})
-    for fn in impls.values():
-        fn()  # warm-up: page in code and allocator arenas
+
+    def batch(fn: Callable[[], Any], n: int) -> None:
+        for _ in range(n):
+            fn()
+
+    for name, fn in impls.items():
+        if sample_s is not None:
+            one, _ = timed(lambda fn=fn: batch(fn, 10))  # type: ignore[misc]
+            inner[name] = max(1, round(sample_s / max(one / 10, 1e-9)))
+        batch(fn, inner.get(name, 1))  # warm-up: page in code and allocator arenas
     for rnd in range(repeats):
         for name, fn in impls.items():
             if rnd >= caps.get(name, repeats):
@@ -156,7 +172,7 @@ def side_by_side(
                 dt, out = timed(fn)
                 del out
             else:
-                dt, _ = timed(lambda fn=fn, n=n: [fn() for _ in range(n)])  # type: ignore[misc]
+                dt, _ = timed(lambda fn=fn, n=n: batch(fn, n))  # type: ignore[misc]
                 dt /= n
             res.samples[name].append(dt)
     return res
@@ -197,7 +213,44 @@ def check_tables(table: Any, g: Geometry, loop: bool) -> None:
         assert np.array_equal(np.array(lst, dtype=np.uint64), ours), "python loop disagrees with hybrid-kv"
 
 
+ALLOC_MODES = ("fresh", "reused")
+
+
+def pin_allocator(mode: str) -> None:
+    """Pin glibc malloc so every large block is fresh pages (``fresh``) or recycled memory (``reused``).
+
+    ``fresh``: a fixed 256 KiB mmap threshold, so each large array is a new mapping, unmapped when freed.
+    ``reused``: no mmap and no trimming, so freed blocks stay in the heap and are handed out again.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if mode == "fresh":
+        ok = libc.mallopt(m_mmap_threshold, 256 * 1024)
+    else:
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31)
+    if not ok:
+        raise RuntimeError(f"glibc mallopt refused the {mode!r} settings")
+
+
 def bench_tables(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Run the table benchmark once per allocator mode, each in a child process (mallopt is per process
+    and would otherwise change the later sections' allocations too)."""
+    import subprocess
+    import tempfile
+
+    out = results.setdefault("tables", {})
+    for mode in ALLOC_MODES:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, os.path.abspath(__file__), "--sections", "tables", "--alloc", mode]
+            cmd += ["--repeats", str(args.repeats), "--loop-repeats", str(args.loop_repeats), "--json", f.name]
+            cmd += ["--quick"] if args.quick else []
+            subprocess.run(cmd, check=True)
+            out[mode] = json.load(f)["tables"]
+
+
+def bench_tables_pinned(args: argparse.Namespace, results: dict[str, Any]) -> None:
     ds, kimi = get_preset("deepseek-v3"), get_preset("kimi-linear-48b-a3b")
     cases: list[tuple[str, dict[str, Any]]] = [
         ("DeepSeek-V3 61x100k", ds.rank_layout(1, 0, 100_000 if not args.quick else 20_000)),
@@ -247,7 +300,7 @@ def bench_tables(args: argparse.Namespace, results: dict[str, Any]) -> None:
         )
         del table
     print_table(
-        "Local descriptor tables (median; ratio = baseline / hybrid-kv, same run)",
+        f"Local descriptor tables, {args.alloc} pages (median; ratio = baseline / hybrid-kv, same run)",
         [
             "layout",
             "descriptors",
@@ -523,8 +576,8 @@ def bench_planning(args: argparse.Namespace, results: dict[str, Any]) -> None:
                     "hybrid-kv reference": lambda d=d, lids=lids, rids=rids: hk_plan(d.peer_ref, lids, rids),
                     "numpy": lambda d=d, lids=lids, rids=rids: np_plan(d, lids, rids),
                 },
-                args.repeats,
-                inner={"hybrid-kv coalesced": 50, "hybrid-kv reference": 50, "numpy": 50},
+                3 * args.repeats,  # 2 ms samples: more rounds cost little and steady the medians
+                sample_s=2e-3,
             )
             med = {k: t.median(k) for k in t.samples}
             out[f"{d.name} {tokens // KIB}K"] = {
@@ -895,7 +948,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="also the 128K-token end-to-end transfer (2.5 GB of pools)")
     p.add_argument("--json", help="write every sample and median to this file")
     p.add_argument("--plot", help="write the planning-time plot (PNG) to this path")
+    p.add_argument("--alloc", choices=ALLOC_MODES, help=argparse.SUPPRESS)  # set in the tables child process
     args = p.parse_args(argv)
+    if args.alloc:
+        pin_allocator(args.alloc)
     if args.quick:
         args.repeats = min(args.repeats, 3)
         args.loop_repeats = 1
@@ -903,9 +959,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for s in args.sections.split(","):
         ts = time.perf_counter()
-        SECTIONS[s.strip()](args, results)
-        print(f"\n({s.strip()}: {time.perf_counter() - ts:.0f} s)")
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+        run = bench_tables_pinned if (s.strip() == "tables" and args.alloc) else SECTIONS[s.strip()]
+        run(args, results)
+        sys.stdout.flush()
+        print(f"\n({s.strip()}{', ' + args.alloc + ' pages' if args.alloc else ''}: {time.perf_counter() - ts:.0f} s)")
+    if not args.alloc:
+        print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
