@@ -151,6 +151,7 @@ impl Slots {
                         units,
                     };
                 }
+                // Chunks only where they save at least a quarter of the ids.
                 let chunked = (!self.group_layouts[g].is_empty())
                     .then(|| {
                         let mut runs = Vec::new();
@@ -158,10 +159,9 @@ impl Slots {
                             UnitCursor::new(&lids[g], lu, lw[g]),
                             UnitCursor::new(&rids[g], ru, rw[g]),
                         );
-                        chunk_runs(l, r, &mut runs);
-                        runs
+                        chunk_runs(l, r, len * 3 / 4, &mut runs).then_some(runs)
                     })
-                    .filter(|runs| runs.len() * 4 <= len * 3)
+                    .flatten()
                     .map(|runs| {
                         let is_chunk = runs.iter().map(|run| run.j > 0).collect();
                         let per_layout = self.group_layouts[g]
@@ -291,11 +291,12 @@ mod tests {
         slots.emit(&[true], &ids, &mut lo, &mut ro);
 
         let mut runs = Vec::new();
-        chunk_runs(
+        assert!(chunk_runs(
             UnitCursor::new(&lids[0], 1, w[0]),
             UnitCursor::new(&rids[0], 1, w[0]),
+            usize::MAX,
             &mut runs,
-        );
+        ));
         assert_eq!(runs.len(), 6, "{runs:?}");
         let (mut want_l, mut want_r) = (Vec::new(), Vec::new());
         for r in 0..3 {

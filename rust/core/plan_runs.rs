@@ -55,10 +55,13 @@ impl<'a> UnitCursor<'a> {
 /// Append to `out` the chunks of two equally long unit windows: every maximal run of units consecutive on
 /// both sides is covered greedily by the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits (the
 /// rest of a run continues after it), so a lone unit is a `j == 0` run.
-pub(crate) fn chunk_runs(mut l: UnitCursor<'_>, mut r: UnitCursor<'_>, out: &mut Vec<Run>) {
+///
+/// Stops early, returning `false`, once `out` holds more than `limit` runs (the caller then plans the group
+/// one id per unit, and a fragmented request is not walked to its end for nothing).
+pub(crate) fn chunk_runs(mut l: UnitCursor<'_>, mut r: UnitCursor<'_>, limit: usize, out: &mut Vec<Run>) -> bool {
     let mut left = l.left.min(r.left);
     if l.u == r.u && l.offset == r.offset {
-        return aligned_runs(l, r, left, out);
+        return aligned_runs(l, r, left, limit, out);
     }
     // The maximal run being grown: (local start, remote start, units).
     let mut open: Option<(u64, u64, u64)> = None;
@@ -69,7 +72,9 @@ pub(crate) fn chunk_runs(mut l: UnitCursor<'_>, mut r: UnitCursor<'_>, out: &mut
             Some((l0, r0, n)) if l0 + n == lu && r0 + n == ru => Some((l0, r0, n + take)),
             other => {
                 if let Some(run) = other {
-                    cut(run, out);
+                    if !cut(run, limit, out) {
+                        return false;
+                    }
                 }
                 Some((lu, ru, take))
             }
@@ -78,17 +83,15 @@ pub(crate) fn chunk_runs(mut l: UnitCursor<'_>, mut r: UnitCursor<'_>, out: &mut
         r.advance(take);
         left -= take;
     }
-    if let Some(run) = open {
-        cut(run, out);
-    }
+    open.is_none_or(|run| cut(run, limit, out))
 }
 
 /// [`chunk_runs`] when the two windows' logical blocks pair one to one (same units per block, same offset
 /// into the first block): a run continues exactly while both sides' next logical ids are consecutive, so
 /// it is found by one tight scan of the id lists.
-fn aligned_runs(l: UnitCursor<'_>, r: UnitCursor<'_>, left: u64, out: &mut Vec<Run>) {
+fn aligned_runs(l: UnitCursor<'_>, r: UnitCursor<'_>, left: u64, limit: usize, out: &mut Vec<Run>) -> bool {
     if left == 0 {
-        return;
+        return true;
     }
     let (u, first) = (l.u, l.offset);
     let blocks = (first + left).div_ceil(u) as usize;
@@ -102,19 +105,27 @@ fn aligned_runs(l: UnitCursor<'_>, r: UnitCursor<'_>, left: u64, out: &mut Vec<R
         // Window units of blocks i..k, as offsets into block i.
         let (b0, b1) = (i as u64 * u, k as u64 * u);
         let (start, end) = (b0.max(first), b1.min(first + left));
-        cut((ls[i] * u + start - b0, rs[i] * u + start - b0, end - start), out);
+        if !cut(
+            (ls[i] * u + start - b0, rs[i] * u + start - b0, end - start),
+            limit,
+            out,
+        ) {
+            return false;
+        }
         i = k;
     }
+    true
 }
 
-/// Cut one maximal run into power-of-two chunks, largest first.
-fn cut((mut l, mut r, mut n): (u64, u64, u64), out: &mut Vec<Run>) {
+/// Cut one maximal run into power-of-two chunks, largest first; `false` once `out` holds more than `limit`.
+fn cut((mut l, mut r, mut n): (u64, u64, u64), limit: usize, out: &mut Vec<Run>) -> bool {
     let max = 1u64 << MAX_CHUNK_LOG2;
     while n > 0 {
         let j = n.min(max).ilog2();
         out.push(Run { l, r, j });
         (l, r, n) = (l + (1 << j), r + (1 << j), n - (1 << j));
     }
+    out.len() <= limit
 }
 
 #[cfg(test)]
@@ -172,7 +183,7 @@ mod tests {
             let lw = Window { start: lids.len() as u64 * lu - start - len, len };
             let rw = Window { start, len };
             let mut got = Vec::new();
-            chunk_runs(UnitCursor::new(&lids, lu, lw), UnitCursor::new(&rids, ru, rw), &mut got);
+            prop_assert!(chunk_runs(UnitCursor::new(&lids, lu, lw), UnitCursor::new(&rids, ru, rw), usize::MAX, &mut got));
             let want = unit_level(&window_units(&lids, lu, lw), &window_units(&rids, ru, rw));
             prop_assert_eq!(got, want);
         }
@@ -197,9 +208,32 @@ mod tests {
             let len = len.min(nl * u - lw.start).min(nr * u - rw.start);
             let (lw, rw) = (Window { len, ..lw }, Window { len, ..rw });
             let mut got = Vec::new();
-            chunk_runs(UnitCursor::new(&lids, u, lw), UnitCursor::new(&rids, u, rw), &mut got);
+            prop_assert!(chunk_runs(UnitCursor::new(&lids, u, lw), UnitCursor::new(&rids, u, rw), usize::MAX, &mut got));
             let want = unit_level(&window_units(&lids, u, lw), &window_units(&rids, u, rw));
             prop_assert_eq!(got, want);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_run_limit_stops_exactly_when_there_are_more_runs(
+            lids in ids_strategy(),
+            rids in ids_strategy(),
+            lu in 1u64..5,
+            ru in 1u64..5,
+            limit in 0usize..40,
+        ) {
+            // Same or different units per block: the aligned and the general walk.
+            let w = Window { start: 0, len: (lids.len() as u64 * lu).min(rids.len() as u64 * ru) };
+            let (l, r) = (UnitCursor::new(&lids, lu, w), UnitCursor::new(&rids, ru, w));
+            let mut all = Vec::new();
+            chunk_runs(l, r, usize::MAX, &mut all);
+            let mut got = Vec::new();
+            let complete = chunk_runs(l, r, limit, &mut got);
+            prop_assert_eq!(complete, all.len() <= limit);
+            if complete {
+                prop_assert_eq!(got, all);
+            }
         }
     }
 
@@ -208,7 +242,12 @@ mod tests {
         let ids: Vec<u64> = (0..20).collect();
         let mut got = Vec::new();
         let w = Window { start: 0, len: 20 * 8 };
-        chunk_runs(UnitCursor::new(&ids, 8, w), UnitCursor::new(&ids, 8, w), &mut got);
+        assert!(chunk_runs(
+            UnitCursor::new(&ids, 8, w),
+            UnitCursor::new(&ids, 8, w),
+            usize::MAX,
+            &mut got
+        ));
         let js: Vec<u32> = got.iter().map(|r| r.j).collect();
         assert_eq!(js, [6, 6, 5]);
         assert_eq!((got[2].l, got[2].r), (128, 128));
