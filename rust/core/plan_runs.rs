@@ -166,6 +166,25 @@ mod tests {
         })
     }
 
+    /// `chunk_runs` over the two windows equals [`unit_level`] over their materialised units.
+    fn assert_definition(
+        (lids, lu, lw): (&[u64], u64, Window),
+        (rids, ru, rw): (&[u64], u64, Window),
+    ) -> Result<(), TestCaseError> {
+        let mut got = Vec::new();
+        prop_assert!(chunk_runs(
+            UnitCursor::new(lids, lu, lw),
+            UnitCursor::new(rids, ru, rw),
+            usize::MAX,
+            &mut got
+        ));
+        prop_assert_eq!(
+            got,
+            unit_level(&window_units(lids, lu, lw), &window_units(rids, ru, rw))
+        );
+        Ok(())
+    }
+
     proptest! {
         #[test]
         fn logical_runs_equal_the_unit_level_definition(
@@ -182,10 +201,7 @@ mod tests {
             // Equal-length windows at different offsets on the two sides, as trimming produces.
             let lw = Window { start: lids.len() as u64 * lu - start - len, len };
             let rw = Window { start, len };
-            let mut got = Vec::new();
-            prop_assert!(chunk_runs(UnitCursor::new(&lids, lu, lw), UnitCursor::new(&rids, ru, rw), usize::MAX, &mut got));
-            let want = unit_level(&window_units(&lids, lu, lw), &window_units(&rids, ru, rw));
-            prop_assert_eq!(got, want);
+            assert_definition((&lids, lu, lw), (&rids, ru, rw))?;
         }
     }
 
@@ -207,10 +223,7 @@ mod tests {
             let rw = Window { start: (r_block % nr) * u + offset, len: 0 };
             let len = len.min(nl * u - lw.start).min(nr * u - rw.start);
             let (lw, rw) = (Window { len, ..lw }, Window { len, ..rw });
-            let mut got = Vec::new();
-            prop_assert!(chunk_runs(UnitCursor::new(&lids, u, lw), UnitCursor::new(&rids, u, rw), usize::MAX, &mut got));
-            let want = unit_level(&window_units(&lids, u, lw), &window_units(&rids, u, rw));
-            prop_assert_eq!(got, want);
+            assert_definition((&lids, u, lw), (&rids, u, rw))?;
         }
     }
 
