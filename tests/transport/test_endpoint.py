@@ -233,6 +233,29 @@ def test_expanded_nx3_fallback_moves_the_same_bytes(monkeypatch: pytest.MonkeyPa
     assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 1, 0], [3, BLOCKS + 7]))
 
 
+def test_large_expansions_are_logged_once_with_the_advice(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the Nx5 form a table of a million descriptors is expanded; the log says so, once, and why."""
+    import hybrid_kv.transport.agent as agent_mod
+
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    big = {"big": np.array([[buf.ctypes.data, 1, 0, 1, 1 << 20]], dtype=np.uint64)}
+    reg = np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64)
+    with Endpoint("S0", reg, big, listen=None) as ep:
+        assert ep.strided_rows_supported  # nixl >= 1.5 here: nothing expanded, nothing logged
+    assert "expanded" not in caplog.text
+    monkeypatch.setattr(agent_mod, "_strided_ok", False)
+    monkeypatch.setattr(agent_mod, "_warned_expansion", False)
+    for name in ("S1", "S2"):
+        with Endpoint(name, reg, big, listen=None) as ep:
+            assert not ep.strided_rows_supported
+    warnings = [r for r in caplog.records if r.name == "hybrid_kv.transport" and "expanded" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    msg = warnings[0].getMessage()
+    assert "'big' was expanded from 1 rows to 1048576 descriptors (24 MiB)" in msg and "coalesce=False" in msg
+
+
 def test_transport_errors_join_the_package_hierarchy() -> None:
     import hybrid_kv
     from hybrid_kv.transport import HandshakeError as TransportHandshakeError

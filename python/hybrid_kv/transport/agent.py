@@ -7,6 +7,7 @@ failure is harmless during cleanup. Every method runs on the endpoint's thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -39,6 +40,12 @@ CALL_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, ValueError, TypeEr
 DISCONNECT = tuple(t for t in NIXL_ERRORS if t.__name__ == "nixlRemoteDisconnectError")
 
 _strided_ok: bool | None = None  # whether this NIXL accepts (N, 5) tables; detected once per process
+_warned_expansion = False  # the large-expansion warning is logged once per process
+
+LARGE_EXPANSION = 1 << 20
+"""Expanding a strided table to at least this many ``(N, 3)`` descriptors logs a warning (once)."""
+
+log = logging.getLogger("hybrid_kv.transport")
 
 
 def quiet(fn: Callable[[], object]) -> None:
@@ -112,7 +119,11 @@ class Agent:
 
     def prep(self, agent_name: str, table: DescTable) -> Any:
         """Prep ``table`` against ``agent_name`` (``LOCAL`` for our own), expanding ``(N, 5)`` rows if needed."""
-        rows = table.rows if (table.strided and self._strided_supported()) else expand_strided(table.rows)
+        if table.strided and self.strided_supported():
+            return self.nixl.prep_xfer_dlist(agent_name, table.rows, self.mem_type)
+        rows = expand_strided(table.rows)
+        if table.strided:
+            _warn_if_large(table, rows.shape[0])
         return self.nixl.prep_xfer_dlist(agent_name, rows, self.mem_type)
 
     def release_dlists(self, dlists: MutableMapping[str, Any]) -> None:
@@ -153,7 +164,7 @@ class Agent:
                 alive.append(xfer)
         return alive
 
-    def _strided_supported(self) -> bool:
+    def strided_supported(self) -> bool:
         """Detect once whether ``prep_xfer_dlist`` takes ``(N, 5)`` strided rows (nixl >= 1.5)."""
         global _strided_ok
         if _strided_ok is None:
@@ -167,3 +178,22 @@ class Agent:
             except NIXL_ERRORS:
                 _strided_ok = True  # the form was parsed; only the probe address was unknown
         return _strided_ok
+
+
+def _warn_if_large(table: DescTable, descriptors: int) -> None:
+    """Log once per process that a large strided table had to be expanded (NIXL without the ``(N, 5)`` form)."""
+    global _warned_expansion
+    if descriptors < LARGE_EXPANSION or _warned_expansion:
+        return
+    _warned_expansion = True
+    mib = descriptors * 24 / 2**20
+    log.warning(
+        "this NIXL takes no (N, 5) strided rows (nixl < 1.5): table %r was expanded from %d rows to %d "
+        "descriptors (%.0f MiB) before prepping. Plans built with PeerPlan(..., coalesce=True) append chunk "
+        "rows that make expanded tables about 7x larger; on this NIXL build them with coalesce=False "
+        "(Endpoint.strided_rows_supported tells which applies).",
+        table.key,
+        table.rows.shape[0],
+        descriptors,
+        mib,
+    )

@@ -110,6 +110,16 @@ class Endpoint:
             raise HandshakeError(f"endpoint {self.name!r} has no side channel")
         return self._server.address
 
+    @property
+    def strided_rows_supported(self) -> bool:
+        """Whether this NIXL preps ``(N, 5)`` strided rows as they are (nixl >= 1.5).
+
+        Where it does not, strided tables are expanded to ``(N, 3)`` before prepping; plans for such an
+        endpoint are best built with ``PeerPlan(..., coalesce=False)``, whose tables have no chunk rows
+        (expanded, chunk rows make a table about 7x larger).
+        """
+        return self._agent.strided_supported()
+
     def handle_counts(self) -> dict[str, int]:
         """Live NIXL objects owned by this endpoint; all zero after ``close()``."""
         remote_dlists, remote_agents = self._peers.counts()
