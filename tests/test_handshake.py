@@ -74,10 +74,11 @@ def test_f6_remote_block_lens_24_rejected_with_both_values() -> None:
     msg = str(info.value)
     assert "hybrid_mla_block_len: local [48, 48], remote [24, 24]" in msg
     assert isinstance(info.value, HybridKvError)
-    findings = info.value.findings  # type: ignore[attr-defined]
+    findings = info.value.findings
     assert [f[0] for f in findings] == ["hybrid_mla_block_len"]
     assert findings[0][1:3] == ("[48, 48]", "[24, 24]")
     assert meta_fingerprint(enc(local)) != meta_fingerprint(enc(remote))
+    assert len(HandshakeError("raised elsewhere").findings) == 0  # every instance has the attribute
 
 
 def test_every_mismatch_is_one_line() -> None:

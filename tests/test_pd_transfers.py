@@ -221,6 +221,7 @@ def test_peer_with_incompatible_metadata(decode: DecodeRank) -> None:
         assert len(findings) >= 2
         for check, local, remote, _ in findings:  # every finding, with both values
             assert f"{check}: local {local}, remote {remote}" in msg
+        assert [tuple(f) for f in e.value.findings] == [tuple(f) for f in findings]  # and as data
         # a request waiting on the rejected peer fails; the compatible peer's request completes
         before = d.rank.snapshot()
         d.begin_connect("C", c.address, 5.0)

@@ -20,6 +20,10 @@ class PlanError(HybridKvError):
 class HandshakeError(HybridKvError):
     """A peer's metadata is malformed or incompatible."""
 
+    findings: Sequence[tuple[str, str, str, str]]
+    """The failed checks ``(check, local, remote, detail)`` where ``validate_handshake`` (or the transport's
+    ``Endpoint.connect`` after it) raised the error; empty for every other handshake error."""
+
 class TransferError(HybridKvError):
     """A NIXL transfer failed, timed out or was refused."""
 

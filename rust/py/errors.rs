@@ -57,7 +57,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HybridKvError", py.get_type::<HybridKvError>())?;
     m.add("LayoutError", py.get_type::<LayoutError>())?;
     m.add("PlanError", py.get_type::<PlanError>())?;
-    m.add("HandshakeError", py.get_type::<HandshakeError>())?;
+    let handshake = py.get_type::<HandshakeError>();
+    // Every instance has `findings`: the failed checks where a validation raised it, else none.
+    handshake.setattr("findings", pyo3::types::PyTuple::empty(py))?;
+    m.add("HandshakeError", handshake)?;
     m.add("TransferError", py.get_type::<TransferError>())?;
     Ok(())
 }

@@ -92,8 +92,9 @@ def test_validate_rejection_is_a_clear_handshake_error(pair: tuple[Endpoint, End
     def validate(payload: bytes) -> None:
         raise ValueError("block_len 256 != remote 128 * ratio 1")
 
-    with pytest.raises(HandshakeError, match=r"rejected: block_len 256 != remote 128 \* ratio 1"):
+    with pytest.raises(HandshakeError, match=r"rejected: block_len 256 != remote 128 \* ratio 1") as e:
         d.connect(0, p.address, tables_from_payload, validate=validate, timeout_s=2.0)
+    assert e.value.findings == []  # a plain ValueError carries no findings
     assert d.peer_state(0)[0] == "down"
     with pytest.raises(TransferError, match="peer 0 is down: .*rejected"):
         d.post("r", [(0, "whole", "whole", ids(0), ids(0))], "READ", 1.0)

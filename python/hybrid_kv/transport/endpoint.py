@@ -193,7 +193,9 @@ class Endpoint:
 
         Raises:
             HandshakeError: timeout, protocol mismatch, the peer's error, a rejected payload, or NIXL
-                refusing the peer's metadata or tables.
+                refusing the peer's metadata or tables. Its ``findings`` attribute lists what
+                ``validate`` found, as ``(check, local, remote, detail)``, when that rejected the payload
+                with a ``HandshakeError`` (``validate_handshake`` does); it is empty otherwise.
         """
         self.begin_connect(peer, address, tables, rank=rank, validate=validate, timeout_s=timeout_s)
         state = self._peers[peer]
@@ -202,7 +204,9 @@ class Endpoint:
                 state.thread.join(0.002)
             self._progress()
         if state.state == "down":
-            raise HandshakeError(state.reason)
+            err = HandshakeError(state.reason)
+            err.findings = list(state.findings)  # what validate_handshake found, if that rejected the peer
+            raise err
         return state.payload
 
     def peer_state(self, peer: PeerKey) -> tuple[str, str]:

@@ -36,6 +36,8 @@ class Peer:
     Attributes:
         key: the key transfers use for this peer.
         state: ``connecting``, ``ready`` or ``down``; ``reason`` says why it is down.
+        findings: when ``validate`` rejected the payload with a ``HandshakeError``, its findings
+            ``(check, local, remote, detail)``; empty otherwise.
         agent_name: the peer's NIXL agent name while its agent is loaded.
         payload: the peer's handshake payload once received.
         tables: the peer's descriptor tables; ``dlists`` holds them prepped against its agent.
@@ -50,6 +52,7 @@ class Peer:
     deadline: float
     state: str = "connecting"  # connecting | ready | down
     reason: str = ""
+    findings: tuple[tuple[str, str, str, str], ...] = ()
     agent_name: str | None = None
     payload: bytes = b""
     tables: dict[str, DescTable] = field(default_factory=dict)
@@ -183,6 +186,7 @@ class Peers:
             try:
                 peer.validate(payload)
             except Exception as exc:
+                peer.findings = tuple(getattr(exc, "findings", ()))
                 return f"handshake with {where} rejected: {exc}"
         try:
             peer.agent_name = self._agent.add_remote(nixl_md)
