@@ -192,6 +192,25 @@ def test_partial_done_notices_of_a_lost_peer_are_dropped(
     assert [(e.sender, e.request_id) for e in ev.remote_done] == [("P", "push-2")] and not d._inbox.partial()
 
 
+def test_partial_done_notices_of_an_unconnected_sender_are_given_up(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sender that is not D's peer (it only notifies D) and never completes a request is reported, not kept."""
+    import hybrid_kv.transport.inbox as inbox_mod
+    from hybrid_kv.transport import notifications
+
+    monkeypatch.setattr(inbox_mod, "PARTIAL_TTL_S", 0.3)
+    p, d, _, _ = pair
+    p.connect(0, d.address, lambda payload: {}, timeout_s=2.0)  # P can notify D; D never connects to P
+    h = d.expect("push-9", deadline_s=30.0)
+    p._agent.nixl.send_notif("D", notifications.done_message("push-9", 0, 3))  # 1 of 3 transfers landed
+    pump(d, lambda e: bool(d._inbox.partial()), 2.0, others=[p])
+    ev = pump(d, lambda e: e.remote_failed, 3.0, others=[p])
+    (gone,) = ev.remote_failed
+    assert (gone.sender, gone.request_id) == ("P", "push-9") and "1 done-notice(s) from 'P'" in gone.reason
+    assert not d._inbox.partial() and h.state is RequestState.FAILED  # the awaiting request fails now
+
+
 def _raise(exc: BaseException) -> None:
     raise exc
 
