@@ -10,7 +10,7 @@
 
 use super::coalesce::ChunkStarts;
 use super::plan_ids::{window_units, IdSpace};
-use super::plan_runs::{chunk_runs, UnitCursor};
+use super::plan_runs::{chunk_runs, Run, UnitCursor};
 use super::region::GroupKind;
 use super::trim::Window;
 
@@ -162,20 +162,7 @@ impl Slots {
                         chunk_runs(l, r, len * 3 / 4, &mut runs).then_some(runs)
                     })
                     .flatten()
-                    .map(|runs| {
-                        let is_chunk = runs.iter().map(|run| run.j > 0).collect();
-                        let per_layout = self.group_layouts[g]
-                            .iter()
-                            .map(|&c| {
-                                let (lc, rc) = &self.layouts[c];
-                                let rel = |k: u64, j: u32, c: &ChunkStarts| if j == 0 { k } else { c.id(k, j) };
-                                let local = runs.iter().map(|run| rel(run.l, run.j, lc)).collect();
-                                let remote = runs.iter().map(|run| rel(run.r, run.j, rc)).collect();
-                                (local, remote)
-                            })
-                            .collect();
-                        ChunkedIds { is_chunk, per_layout }
-                    });
+                    .map(|runs| self.chunked_ids(g, &runs));
                 let units = if chunked.is_none() || self.slot_counts[g].1 > 0 {
                     (window_units(&lids[g], lu, lw[g]), window_units(&rids[g], ru, rw[g]))
                 } else {
@@ -184,6 +171,24 @@ impl Slots {
                 GroupIds { len, chunked, units }
             })
             .collect()
+    }
+
+    /// Group `g`'s chunk runs as ids relative to a slot's bases, resolved against each of its layouts.
+    fn chunked_ids(&self, g: usize, runs: &[Run]) -> ChunkedIds {
+        let rel = |k: u64, j: u32, c: &ChunkStarts| if j == 0 { k } else { c.id(k, j) };
+        let per_layout = self.group_layouts[g]
+            .iter()
+            .map(|&c| {
+                let (lc, rc) = &self.layouts[c];
+                let local = runs.iter().map(|run| rel(run.l, run.j, lc)).collect();
+                let remote = runs.iter().map(|run| rel(run.r, run.j, rc)).collect();
+                (local, remote)
+            })
+            .collect();
+        ChunkedIds {
+            is_chunk: runs.iter().map(|run| run.j > 0).collect(),
+            per_layout,
+        }
     }
 
     /// Append the ids of every slot of the groups in `mask`, local to `lo` and remote to `ro`.
@@ -254,7 +259,6 @@ mod tests {
     use super::*;
     use crate::core::coalesce::with_chunk_rows;
     use crate::core::descs::{DescTable, StridedRow};
-    use crate::core::plan_runs::Run;
 
     #[test]
     fn regions_of_different_layouts_and_plain_regions_emit_their_direct_ids() {
