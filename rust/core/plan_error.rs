@@ -143,6 +143,48 @@ pub enum PlanError {
     /// A transfer index or descriptor id that does not exist.
     #[error("{0}")]
     BadTransfer(String),
+    /// A count that would size an allocation is over its limit (checked before anything is allocated).
+    #[error("{what} is {value}, over the limit of {limit}")]
+    OverLimit {
+        /// What was counted.
+        what: String,
+        /// The count.
+        value: u64,
+        /// The largest accepted count.
+        limit: u64,
+    },
+    /// A block id listed twice in one group of one request: its bytes would be moved (or written) twice.
+    #[error("{side} block id {id} is listed twice in group {group}: a request names each block once")]
+    DuplicateBlock {
+        /// Which side.
+        side: Side,
+        /// Group index.
+        group: usize,
+        /// The repeated id.
+        id: u64,
+    },
+    /// A remote descriptor row would address bytes outside every region the remote rank advertised.
+    #[error("remote rank {rank}: descriptors at {addr:#x} (+{len} bytes, stride {stride}, {count} of them) fall outside the regions it advertised")]
+    OutsideAdvertised {
+        /// Remote rank.
+        rank: u32,
+        /// First descriptor's address.
+        addr: u64,
+        /// Descriptor length.
+        len: u64,
+        /// Bytes between descriptors.
+        stride: u64,
+        /// Descriptors in the row.
+        count: u64,
+    },
+    /// A remote rank's metadata is inconsistent on its own (the checks the handshake decoder runs).
+    #[error("remote rank {rank} metadata is malformed: {findings}")]
+    MalformedRemote {
+        /// The rank the metadata claims.
+        rank: u32,
+        /// Every finding, `; `-separated.
+        findings: String,
+    },
     /// The local layout is invalid.
     #[error(transparent)]
     Layout(#[from] LayoutError),

@@ -1,15 +1,23 @@
 //! The TP ratio between a local rank and its peer (reference C.1). Kernel block sizes are related through
 //! their common unit instead (`units.rs`).
 
+use super::tp::MAX_TP_SIZE;
+
 /// TP ratio from the local side's view: `local/remote` (>= 1) when the local TP is at least the remote TP,
 /// `-(remote/local)` otherwise. In pull mode local is decode; in push mode local is prefill.
 ///
 /// # Errors
-/// A message naming both sizes when either is zero or the larger does not divide by the smaller.
+/// A message naming both sizes when either is zero or over [`MAX_TP_SIZE`], or the larger does not divide by
+/// the smaller.
 pub fn tp_ratio(local_tp: u32, remote_tp: u32) -> Result<i64, String> {
     if local_tp == 0 || remote_tp == 0 {
         return Err(format!(
             "TP sizes must be positive (local {local_tp}, remote {remote_tp})"
+        ));
+    }
+    if local_tp > MAX_TP_SIZE || remote_tp > MAX_TP_SIZE {
+        return Err(format!(
+            "TP sizes must be at most {MAX_TP_SIZE} (local {local_tp}, remote {remote_tp})"
         ));
     }
     if local_tp >= remote_tp {

@@ -40,6 +40,10 @@ pub struct TpMapping {
     pub local_consumers: u64,
 }
 
+/// Largest TP size accepted from anyone (a scenario file, a peer's metadata, a caller): TP mappings allocate
+/// per rank, so a size must be bounded before it sizes anything. Deployments today use at most a few hundred.
+pub const MAX_TP_SIZE: u32 = 1024;
+
 /// Remote ranks a local rank must handshake with (reference C.2): one rank when the local TP is at least the
 /// remote TP, otherwise the `|ratio|` remote ranks covering this rank's shard.
 ///
@@ -58,6 +62,15 @@ pub fn handshake_target_ranks(tp_rank: u32, tp_size: u32, remote_tp: u32) -> Res
 /// The signed TP ratio of a local rank: `TpRatio` when the sizes do not divide, then `RankOutOfRange` when
 /// `tp_rank` is not below `tp_size`.
 fn checked_ratio(tp_rank: u32, tp_size: u32, remote_tp: u32) -> Result<i64, PlanError> {
+    for (side, tp) in [(Side::Local, tp_size), (Side::Remote, remote_tp)] {
+        if tp > MAX_TP_SIZE {
+            return Err(PlanError::OverLimit {
+                what: format!("{side} TP size"),
+                value: u64::from(tp),
+                limit: u64::from(MAX_TP_SIZE),
+            });
+        }
+    }
     let ratio = tp_ratio(tp_size, remote_tp).map_err(|_| PlanError::TpRatio {
         local_tp: tp_size,
         remote_tp,

@@ -25,4 +25,6 @@ pub use fingerprint::{compat_hash, fingerprint, GeometryKey, ModelFactors, Ratio
 pub use pairs::{check_pairs, PairVerdict};
 pub use scan::{prescan, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
 pub use validate::{findings, validate, validate_expected, Expected, HEAD_CONTIGUOUS_LAYOUTS};
-pub use wellformed::check_well_formed;
+pub use wellformed::{
+    check_well_formed, placement_findings, structure_findings, MAX_GROUPS, MAX_KERNEL_BLOCKS, MAX_REGIONS,
+};

@@ -11,7 +11,7 @@
 
 use super::error::{Finding, HandshakeError};
 use super::fingerprint::{fingerprint, GeometryKey};
-use super::wellformed::check_well_formed;
+use super::wellformed::{placement_findings, structure_findings};
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::ratio::tp_ratio;
 use crate::core::region::GroupKind;
@@ -43,15 +43,19 @@ fn list<T: std::fmt::Debug>(v: &[T]) -> String {
 /// Every failed check between `local` and `remote` (empty when compatible).
 pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> Vec<Finding> {
     let mut out = Vec::new();
-    for (side, m) in [("local", local), ("remote", remote)] {
-        for mut f in check_well_formed(m) {
-            f.check = format!("{side}.{}", f.check);
-            out.push(f);
+    let own = |check: fn(&AgentMeta) -> Vec<Finding>, out: &mut Vec<Finding>| {
+        for (side, m) in [("local", local), ("remote", remote)] {
+            for mut f in check(m) {
+                f.check = format!("{side}.{}", f.check);
+                out.push(f);
+            }
         }
-    }
+    };
+    own(structure_findings, &mut out);
     if !out.is_empty() {
         return out; // values that are inconsistent on their own cannot be compared safely
     }
+    own(placement_findings, &mut out);
     let mut add = |check: &str, l: String, r: String, why: String| out.push(Finding::new(check, l, r, why));
     if local.version != remote.version {
         add(

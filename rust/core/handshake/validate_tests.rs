@@ -139,14 +139,24 @@ fn f6_mismatched_mla_kernel_page_is_rejected_with_both_values() {
         msg.contains("hybrid_mla_block_len: local [48, 48], remote [24, 24]"),
         "{msg}"
     );
-    assert_eq!(err.findings().len(), 1, "{msg}");
+    // The reference's remote also keeps its 24 + 32-byte KDA state in what are now 24 x 2-byte pages: a push
+    // plan would write past every page, so hybrid-kv reports that too (vLLM does not check it).
+    assert_eq!(
+        checks(&local, &remote),
+        ["remote.ssm_state_size", "hybrid_mla_block_len"],
+        "{msg}"
+    );
     assert_ne!(fingerprint(&local), fingerprint(&remote));
-    // With prefix caching on, vLLM stops at check 7; here both are reported.
+    // With prefix caching on, vLLM stops at check 7; here all are reported.
     let mut local = local;
     local.prefix_caching = true;
     assert_eq!(
         checks(&local, &remote),
-        ["prefix_caching_hetero_ppl", "hybrid_mla_block_len"]
+        [
+            "remote.ssm_state_size",
+            "prefix_caching_hetero_ppl",
+            "hybrid_mla_block_len"
+        ]
     );
 }
 
@@ -308,7 +318,12 @@ fn hybrid_mla_kernel_blocks_pair_in_common_units_in_both_modes() {
             r.block_len /= 2;
             r.block_stride = r.block_len;
         }
-        assert_eq!(checks(&local, &bad), ["hybrid_mla_block_len"], "{mode:?}");
+        // Halved pages no longer hold the KDA state either.
+        assert_eq!(
+            checks(&local, &bad),
+            ["remote.ssm_state_size", "hybrid_mla_block_len"],
+            "{mode:?}"
+        );
     }
 }
 
@@ -366,8 +381,9 @@ fn several_mismatches_are_all_reported() {
     let err = validate(&local, &remote).unwrap_err();
     let msg = err.to_string();
     let lines: Vec<&str> = msg.lines().collect();
-    assert!(lines[0].contains("5 handshake check(s) failed"), "{msg}");
+    assert!(lines[0].contains("6 handshake check(s) failed"), "{msg}");
     for check in [
+        "remote.ssm_state_size",
         "compat_hash",
         "engine_id",
         "hybrid_mla_block_len",

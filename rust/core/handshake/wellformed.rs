@@ -3,13 +3,35 @@
 //! A decoded [`AgentMeta`] is well-typed but may still lie: a rank outside its TP size, a stride shorter than
 //! its block, an SSM region index past the region list, an extent that wraps the address space. Planning
 //! from such a table could index out of bounds or overflow, so these are rejected at decode.
+//!
+//! Two kinds of finding: [`structure_findings`] make the values unsafe to compute with (a validation stops
+//! there), [`placement_findings`] describe memory a plan must never touch (regions overlapping one another, an
+//! SSM state larger than its page: a push plan would write past the page or into another region). Both
+//! reject the metadata at decode and in `PeerPlan`; a validation lists placement findings beside the
+//! comparisons.
 
 use super::error::Finding;
-use crate::core::meta::AgentMeta;
+use crate::core::meta::{AgentMeta, RegionMeta};
 use crate::core::region::GroupKind;
+use crate::core::tp::MAX_TP_SIZE;
+
+/// Most regions a peer may advertise (one per KV-cache tensor; today's largest models have about 100 layers).
+pub const MAX_REGIONS: usize = 1024;
+/// Most KV-cache groups a peer may advertise.
+pub const MAX_GROUPS: usize = 64;
+/// Most kernel blocks per region: every block gets an int32 descriptor id.
+pub const MAX_KERNEL_BLOCKS: u64 = i32::MAX as u64;
 
 /// Every inconsistency in `meta`, one finding each (empty when well formed).
 pub fn check_well_formed(m: &AgentMeta) -> Vec<Finding> {
+    let mut out = structure_findings(m);
+    out.extend(placement_findings(m));
+    out
+}
+
+/// Values that make `m` unsafe to compute with: out-of-range ranks and indices, counts over their limits,
+/// zero sizes, extents that wrap the address space.
+pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
     let mut out = Vec::new();
     let mut bad = |field: &str, value: String, why: String| out.push(Finding::invalid(field, value, why));
     if m.tp_size == 0 || m.tp_rank >= m.tp_size {
@@ -17,6 +39,32 @@ pub fn check_well_formed(m: &AgentMeta) -> Vec<Finding> {
             "tp_rank",
             format!("{}/{}", m.tp_rank, m.tp_size),
             "tp_rank must be below a positive tp_size".into(),
+        );
+    }
+    if m.tp_size > MAX_TP_SIZE {
+        bad(
+            "tp_size",
+            m.tp_size.to_string(),
+            format!("must be at most {MAX_TP_SIZE}"),
+        );
+    }
+    for (field, count, limit) in [
+        ("regions", m.regions.len(), MAX_REGIONS),
+        ("groups", m.groups.len(), MAX_GROUPS),
+    ] {
+        if count > limit {
+            bad(
+                field,
+                format!("{count} entries"),
+                format!("at most {limit} are accepted"),
+            );
+        }
+    }
+    if m.num_blocks > MAX_KERNEL_BLOCKS {
+        bad(
+            "num_blocks",
+            m.num_blocks.to_string(),
+            format!("at most {MAX_KERNEL_BLOCKS} kernel blocks (int32 descriptor ids)"),
         );
     }
     let (logical, kernel) = (m.logical_block_size, m.kernel_block_size);
@@ -53,10 +101,14 @@ pub fn check_well_formed(m: &AgentMeta) -> Vec<Finding> {
             );
             continue;
         }
-        let extent = (r.num_blocks - 1)
-            .checked_mul(r.block_stride)
-            .and_then(|v| v.checked_add(r.block_len));
-        if extent.and_then(|e| r.base.checked_add(e)).is_none() {
+        if r.num_blocks > MAX_KERNEL_BLOCKS {
+            bad(
+                &field,
+                format!("{} blocks", r.num_blocks),
+                format!("at most {MAX_KERNEL_BLOCKS} kernel blocks (int32 descriptor ids)"),
+            );
+        }
+        if region_end(r).is_none() {
             bad(
                 &field,
                 format!("base {:#x}", r.base),
@@ -123,6 +175,60 @@ pub fn check_well_formed(m: &AgentMeta) -> Vec<Finding> {
             m.total_num_kv_heads.to_string(),
             "must be positive, and 1 for MLA".into(),
         );
+    }
+    out
+}
+
+/// End (exclusive) of region `r`'s extent: its last block's end, `None` when that wraps the address space.
+fn region_end(r: &RegionMeta) -> Option<u64> {
+    let extent = r
+        .num_blocks
+        .checked_sub(1)?
+        .checked_mul(r.block_stride)?
+        .checked_add(r.block_len)?;
+    r.base.checked_add(extent)
+}
+
+/// Memory a plan must never touch: regions overlapping one another, and an SSM state larger than its logical
+/// page (`block_len x ppl`). Values that do not compute (see [`structure_findings`]) are skipped here.
+pub fn placement_findings(m: &AgentMeta) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let mut extents: Vec<(u64, u64, usize)> = m
+        .regions
+        .iter()
+        .take(MAX_REGIONS)
+        .enumerate()
+        .filter_map(|(i, r)| Some((r.base, region_end(r)?, i)))
+        .collect();
+    extents.sort_unstable();
+    for pair in extents.windows(2) {
+        let ((a_base, a_end, a), (b_base, b_end, b)) = (pair[0], pair[1]);
+        if a_end > b_base {
+            out.push(Finding::invalid(
+                "region_overlap",
+                format!("regions[{a}] [{a_base:#x}, {a_end:#x}) and regions[{b}] [{b_base:#x}, {b_end:#x})"),
+                "each region is its own tensor: writes into one would land in the other",
+            ));
+        }
+    }
+    let (conv, ssm) = m.ssm_sizes;
+    let state = conv.checked_add(ssm);
+    let too_small: Vec<String> = m
+        .ssm_regions
+        .iter()
+        .filter_map(|&i| m.regions.get(i as usize).map(|r| (i, r)))
+        .filter(|(_, r)| state.is_none() || r.block_len.checked_mul(m.ppl).is_none_or(|page| state > Some(page)))
+        .map(|(i, r)| format!("regions[{i}] page {} x {}", r.block_len, m.ppl))
+        .collect();
+    if !too_small.is_empty() {
+        out.push(Finding::invalid(
+            "ssm_state_size",
+            format!("state {conv} + {ssm} bytes"),
+            format!(
+                "an SSM state must fit its logical page (block_len x ppl): {}",
+                too_small.join(", ")
+            ),
+        ));
     }
     out
 }
