@@ -23,6 +23,7 @@
 
 use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts};
 use super::descs::DescTable;
+use super::handshake::check_well_formed;
 use super::meta::{AgentMeta, TransferMode};
 use super::plan_emit::{Slots, Windows};
 use super::plan_error::{mismatch, PlanError, Side};
@@ -31,7 +32,7 @@ use super::plan_routes::{routes, Route};
 use super::region::{GroupKind, RegionTable};
 use super::remote::{hosts_attention, remote_table};
 use super::split::split_table;
-use super::tp::TpMapping;
+use super::tp::{TpMapping, MAX_TP_SIZE};
 use super::trim::{trim, GroupTrim};
 use super::units::BlockUnits;
 
@@ -147,6 +148,96 @@ fn check_geometry(remotes: &[AgentMeta]) -> Result<(), PlanError> {
     Ok(())
 }
 
+/// A remote rank may address at most this many times the local rank's units (scaled by the TP ratio when the
+/// remote's ranks are smaller), plus [`REMOTE_UNITS_FLOOR`]: a peer's block counts size its table, so a peer
+/// claiming billions of blocks must be refused before anything is allocated for them.
+pub const REMOTE_UNITS_FACTOR: u64 = 16;
+/// Remote units always accepted, whatever the local pool.
+pub const REMOTE_UNITS_FLOOR: u64 = 1 << 20;
+
+/// Refuse a remote whose block counts would size tables far beyond the local ones (or past int32 ids).
+fn check_remote_size(
+    local: &RegionTable,
+    remote: &AgentMeta,
+    units: BlockUnits,
+    mapping: &TpMapping,
+) -> Result<(), PlanError> {
+    fn total(mut blocks: impl Iterator<Item = u64>, sub: u64) -> u64 {
+        blocks
+            .try_fold(0u64, |acc, n| acc.checked_add(n.checked_mul(sub)?))
+            .unwrap_or(u64::MAX)
+    }
+    let local_units = total(local.regions.iter().map(|r| r.num_blocks), units.local_sub);
+    let remote_units = total(remote.regions.iter().map(|r| r.num_blocks), units.remote_sub);
+    let spread = if mapping.tp_ratio < 0 {
+        mapping.tp_ratio.unsigned_abs()
+    } else {
+        1
+    };
+    let limit = local_units
+        .saturating_mul(REMOTE_UNITS_FACTOR)
+        .saturating_mul(spread)
+        .saturating_add(REMOTE_UNITS_FLOOR)
+        .min(ID_LIMIT);
+    if remote_units > limit {
+        return Err(PlanError::OverLimit {
+            what: format!(
+                "kernel units advertised by remote rank {} (local rank has {local_units})",
+                remote.tp_rank
+            ),
+            value: remote_units,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// `remotes` in ascending rank order (the order of `PeerPlan::remote_tables`).
+fn sorted_by_rank(remotes: &[AgentMeta]) -> Vec<&AgentMeta> {
+    let mut v: Vec<&AgentMeta> = remotes.iter().collect();
+    v.sort_by_key(|m| m.tp_rank);
+    v
+}
+
+/// The last line of defence: every descriptor of `table` must lie inside one region `remote` advertised.
+/// Rows are affine, so a row's first and last descriptors bound it.
+fn check_inside_advertised(rank: u32, table: &DescTable, remote: &AgentMeta) -> Result<(), PlanError> {
+    let extents: Vec<(u64, u64)> = remote
+        .regions
+        .iter()
+        .filter_map(|r| {
+            let ext = r
+                .num_blocks
+                .checked_sub(1)?
+                .checked_mul(r.block_stride)?
+                .checked_add(r.block_len)?;
+            Some((r.base, r.base.checked_add(ext)?))
+        })
+        .collect();
+    let inside = |addr: u64, len: u64| {
+        addr.checked_add(len)
+            .is_some_and(|end| extents.iter().any(|&(b, e)| addr >= b && end <= e))
+    };
+    for row in &table.rows {
+        if row.count == 0 {
+            continue;
+        }
+        let last = (row.count - 1)
+            .checked_mul(row.stride)
+            .and_then(|o| row.addr.checked_add(o));
+        if !(inside(row.addr, row.len) && last.is_some_and(|a| inside(a, row.len))) {
+            return Err(PlanError::OutsideAdvertised {
+                rank,
+                addr: row.addr,
+                len: row.len,
+                stride: row.stride,
+                count: row.count,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl PeerPlan {
     /// Precompute the mapping and tables of `local` against `remotes`: the handshake metadata of every remote
     /// rank this local rank talks to (the handshake targets of reference C.2), all of one peer engine.
@@ -180,6 +271,23 @@ impl PeerPlan {
                 needed: vec![],
             });
         };
+        for m in remotes {
+            let problems = check_well_formed(m);
+            if !problems.is_empty() {
+                let findings: Vec<String> = problems.iter().map(ToString::to_string).collect();
+                return Err(PlanError::MalformedRemote {
+                    rank: m.tp_rank,
+                    findings: findings.join("; "),
+                });
+            }
+        }
+        if remotes.len() > MAX_TP_SIZE as usize {
+            return Err(PlanError::OverLimit {
+                what: "remote ranks given".into(),
+                value: remotes.len() as u64,
+                limit: u64::from(MAX_TP_SIZE),
+            });
+        }
         check_geometry(remotes)?;
         if first.transfer_mode != mode {
             return Err(mismatch("transfer mode", mode, first.transfer_mode));
@@ -202,6 +310,7 @@ impl PeerPlan {
             });
         }
         let units = BlockUnits::new(local.geometry.kernel_block_size, first.kernel_block_size)?;
+        check_remote_size(local, first, units, &mapping)?;
         let mut remote_tables = Vec::with_capacity(remotes.len());
         for m in remotes {
             let t = remote_table(local, m, &mapping, units)?;
@@ -285,6 +394,9 @@ impl PeerPlan {
         } else {
             vec![None; region_groups.len()]
         };
+        for ((rank, table), m) in remote_tables.iter().zip(sorted_by_rank(remotes)) {
+            check_inside_advertised(*rank, table, m)?;
+        }
         let slots = Slots::new(
             &groups,
             &region_groups,

@@ -75,9 +75,23 @@ impl IdSpace {
                     unit: "logical",
                 });
             }
+            if let Some(id) = first_duplicate(list) {
+                return Err(PlanError::DuplicateBlock { side, group: g, id });
+            }
         }
         Ok(())
     }
+}
+
+/// The smallest id listed more than once, if any. Strictly ascending lists (the common case) take one pass;
+/// others are checked on a sorted copy.
+pub(crate) fn first_duplicate(ids: &[u64]) -> Option<u64> {
+    if ids.windows(2).all(|w| w[0] < w[1]) {
+        return None;
+    }
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
 /// Unit ids of the window `w` of the unit expansion of logical `ids` (`u` units per logical block).
@@ -102,6 +116,16 @@ pub(crate) fn window_units(ids: &[u64], u: u64, w: Window) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn duplicates_are_found_in_any_order() {
+        assert_eq!(first_duplicate(&[]), None);
+        assert_eq!(first_duplicate(&[3]), None);
+        assert_eq!(first_duplicate(&[1, 2, 5]), None);
+        assert_eq!(first_duplicate(&[5, 2, 1]), None);
+        assert_eq!(first_duplicate(&[1, 2, 2, 3]), Some(2));
+        assert_eq!(first_duplicate(&[9, 4, 7, 4, 9]), Some(4));
+    }
 
     #[test]
     fn window_units_match_the_expansion() {
