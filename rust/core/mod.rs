@@ -1,6 +1,7 @@
 //! The pure planning core: plain integers in, plain integers out; it never dereferences an address.
 #![forbid(unsafe_code)]
 
+pub mod adversary;
 pub mod coalesce;
 pub mod descs;
 pub mod error;
@@ -36,6 +37,8 @@ mod natural;
 
 #[cfg(test)]
 mod coalesce_tests;
+#[cfg(test)]
+mod hardening_tests;
 #[cfg(test)]
 mod oracle_tests;
 #[cfg(test)]

@@ -1,0 +1,182 @@
+//! Regression tests for hostile or broken peers (issue #11): each reproduces one attack on the decoder, the
+//! validator or `PeerPlan`, and checks it is refused with an error naming the value and the limit, before
+//! anything is allocated for it.
+
+use super::adversary::{cases, Case};
+use super::handshake::{decode, encode, findings, Expected, HandshakeError};
+use super::meta::AgentMeta;
+use super::plan::PeerPlan;
+use super::plan_error::{PlanError, Side};
+use super::tp::{handshake_target_ranks, TpMapping, MAX_TP_SIZE};
+
+/// Kimi-shaped hybrid, decode TP 1 pulling from prefill TP 2 (valid as built).
+fn kimi() -> Case {
+    cases().remove(0)
+}
+
+fn checks(local: &AgentMeta, remote: &AgentMeta) -> Vec<String> {
+    findings(local, remote, &Expected::default())
+        .into_iter()
+        .map(|f| f.check)
+        .collect()
+}
+
+/// Every remote rank tells the same lie.
+fn lie(case: &Case, f: impl Fn(&mut AgentMeta)) -> Vec<AgentMeta> {
+    let mut remotes = case.remotes.clone();
+    remotes.iter_mut().for_each(f);
+    remotes
+}
+
+#[test]
+fn a_tp_size_of_u32_max_is_refused_without_allocating() {
+    // Before: 4 x tp_size bytes for the target list (abort at 2^32 - 1).
+    let err = handshake_target_ranks(0, 1, u32::MAX).unwrap_err();
+    assert_eq!(
+        err,
+        PlanError::OverLimit {
+            what: "remote TP size".into(),
+            value: u64::from(u32::MAX),
+            limit: u64::from(MAX_TP_SIZE)
+        }
+    );
+    assert!(err.to_string().contains("4294967295, over the limit of 1024"), "{err}");
+    assert!(TpMapping::compute(0, 1, 1 << 28, 1, true, &[]).is_err());
+    let case = kimi();
+    let remote = lie(&case, |m| m.tp_size = u32::MAX).remove(0);
+    assert!(checks(&case.local_meta(), &remote).contains(&"remote.tp_size".to_string()));
+    let bytes = encode(&remote).unwrap();
+    match decode(&bytes) {
+        Err(HandshakeError::Invalid(f)) => assert!(f.iter().any(|f| f.check == "tp_size"), "{f:?}"),
+        other => panic!("decoded {other:?}"),
+    }
+    let err = PeerPlan::new(&case.local, &lie(&case, |m| m.tp_size = u32::MAX), case.mode).unwrap_err();
+    assert!(matches!(err, PlanError::MalformedRemote { .. }), "{err}");
+}
+
+#[test]
+fn billions_of_remote_blocks_are_refused_before_any_row_is_built() {
+    // The padded DeepSeek case: remote kernel blocks twice the local ones and stride != block_len, so the
+    // remote table has one row per remote block. Before: a loop per claimed block until allocation aborted.
+    let case = cases().remove(3);
+    assert_eq!(case.name, "deepseek kernel 64 <- padded kernel 128");
+    let built = PeerPlan::new(&case.local, &case.remotes, case.mode).unwrap();
+    assert!(built.remote_tables[0].1.rows.len() >= 32, "rows per block");
+    for blocks in [1u64 << 33, 1 << 30] {
+        let remotes = lie(&case, |m| {
+            m.num_logical_blocks = blocks;
+            m.num_blocks = blocks;
+            m.regions.iter_mut().for_each(|r| r.num_blocks = blocks);
+            m.regions
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, r)| r.base = (i as u64) << 58);
+        });
+        let err = PeerPlan::new(&case.local, &remotes, case.mode).unwrap_err();
+        let text = err.to_string();
+        match blocks {
+            b if b > i32::MAX as u64 => assert!(text.contains("num_blocks"), "{text}"),
+            _ => assert!(
+                matches!(err, PlanError::OverLimit { .. }) && text.contains("kernel units advertised by remote rank 0"),
+                "{text}"
+            ),
+        }
+    }
+}
+
+#[test]
+fn metadata_that_was_never_validated_is_checked_by_peer_plan() {
+    let case = kimi();
+    for (what, f) in [
+        (
+            "ppl",
+            Box::new(|m: &mut AgentMeta| m.ppl = 0) as Box<dyn Fn(&mut AgentMeta)>,
+        ),
+        (
+            "base",
+            Box::new(|m: &mut AgentMeta| m.regions[1].base = u64::MAX - 4096),
+        ),
+        ("tp_rank", Box::new(|m: &mut AgentMeta| m.tp_rank = 7)),
+    ] {
+        let err = PeerPlan::new(&case.local, &lie(&case, f), case.mode).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, PlanError::MalformedRemote { .. }), "{what}: {text}");
+        assert!(text.contains(what), "{what}: {text}");
+    }
+}
+
+#[test]
+fn an_ssm_state_larger_than_its_page_is_refused_at_the_handshake() {
+    let case = kimi();
+    let remote = lie(&case, |m| m.ssm_sizes.1 = m.regions[0].block_len * m.ppl).remove(0);
+    let local = case.local_meta();
+    let found = checks(&local, &remote);
+    assert!(found.contains(&"remote.ssm_state_size".to_string()), "{found:?}");
+    let text = findings(&local, &remote, &Expected::default())
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(text.contains("must fit its logical page"), "{text}");
+    assert!(decode(&encode(&remote).unwrap()).is_err());
+    let remotes = lie(&case, |m| m.ssm_sizes.1 = m.regions[0].block_len * m.ppl);
+    assert!(PeerPlan::new(&case.local, &remotes, case.mode).is_err());
+}
+
+#[test]
+fn overlapping_or_relocated_region_bases_are_refused_at_the_handshake() {
+    let case = kimi();
+    let local = case.local_meta();
+    for shift in [0u64, 4096] {
+        let remote = lie(&case, |m| m.regions[1].base = m.regions[0].base + shift).remove(0);
+        let found = checks(&local, &remote);
+        assert!(
+            found.contains(&"remote.region_overlap".to_string()),
+            "{shift}: {found:?}"
+        );
+        let remotes = lie(&case, |m| m.regions[1].base = m.regions[0].base + shift);
+        assert!(PeerPlan::new(&case.local, &remotes, case.mode).is_err());
+    }
+    // Every finding is listed at once: an overlap beside a compat mismatch.
+    let mut remote = lie(&case, |m| m.regions[1].base = m.regions[0].base).remove(0);
+    remote.compat_hash = "beef".into();
+    let found = checks(&local, &remote);
+    assert!(found.contains(&"remote.region_overlap".to_string()) && found.contains(&"compat_hash".to_string()));
+}
+
+#[test]
+fn a_region_smaller_than_its_ssm_states_is_refused_by_peer_plan() {
+    // Found by the fuzzer: one region advertising fewer kernel blocks than the SSM states it holds made the
+    // SSM rows run past it.
+    let case = kimi();
+    let remotes = lie(&case, |m| m.regions[0].num_blocks = 2);
+    let err = PeerPlan::new(&case.local, &remotes, case.mode).unwrap_err();
+    assert!(matches!(err, PlanError::OutsideAdvertised { .. }), "{err}");
+    assert!(err.to_string().contains("outside the regions it advertised"), "{err}");
+}
+
+#[test]
+fn duplicate_block_ids_are_refused_naming_the_id() {
+    let case = kimi();
+    let peer = PeerPlan::new(&case.local, &case.remotes, case.mode).unwrap();
+    let ok_local = vec![vec![1, 2], vec![1], vec![1], vec![1]];
+    let ok_remote = vec![vec![3, 4, 5, 6], vec![3], vec![3], vec![3]];
+    assert!(peer.plan(&ok_local, &ok_remote).is_ok());
+    let mut local = ok_local.clone();
+    local[0] = vec![2, 1, 2];
+    assert_eq!(
+        peer.plan(&local, &ok_remote).unwrap_err(),
+        PlanError::DuplicateBlock {
+            side: Side::Local,
+            group: 0,
+            id: 2
+        }
+    );
+    let mut remote = ok_remote.clone();
+    remote[2] = vec![3, 3];
+    let err = peer.plan(&ok_local, &remote).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "remote block id 3 is listed twice in group 2: a request names each block once"
+    );
+}
