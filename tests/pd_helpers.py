@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent / "transport"))
 
 from _peers import Peer, pump  # noqa: E402  (tests/transport is not a package)
 
-from hybrid_kv import HandshakeError, PeerPlan, RegionTable, decode_meta, encode_meta, validate_handshake  # noqa: E402
+from hybrid_kv import HandshakeError, PeerPlan, RegionTable, encode_meta, validate_handshake  # noqa: E402
 from hybrid_kv.demo.content import Content, Request, Side, expect_decode, fill_prefill, random_bytes  # noqa: E402
 from hybrid_kv.demo.run import process_context  # noqa: E402
 from hybrid_kv.transport import Endpoint, Transfer  # noqa: E402
@@ -149,7 +149,7 @@ class DecodeRank:
         validate_handshake(self.rank.payload, payload)
 
     def _tables(self, peer: str, payload: bytes) -> dict[str, np.ndarray]:
-        plan = PeerPlan(self.rank.table, [decode_meta(payload)], "pull")
+        plan = PeerPlan(self.rank.table, [payload], "pull")
         for key in plan.table_keys:
             if key not in self.local or not np.array_equal(plan.local_rows(key), self.local[key]):
                 raise HandshakeError(

@@ -75,8 +75,9 @@ def test_f6_remote_block_lens_24_rejected_with_both_values() -> None:
     assert "hybrid_mla_block_len: local [48, 48], remote [24, 24]" in msg
     assert isinstance(info.value, HybridKvError)
     findings = info.value.findings
-    assert [f[0] for f in findings] == ["hybrid_mla_block_len"]
-    assert findings[0][1:3] == ("[48, 48]", "[24, 24]")
+    # The reference's remote also keeps its 24 + 32-byte state in 24 x 2-byte pages (hybrid-kv checks that).
+    assert [f[0] for f in findings] == ["remote.ssm_state_size", "hybrid_mla_block_len"]
+    assert findings[1][1:3] == ("[48, 48]", "[24, 24]")
     assert meta_fingerprint(enc(local)) != meta_fingerprint(enc(remote))
     assert len(HandshakeError("raised elsewhere").findings) == 0  # every instance has the attribute
 

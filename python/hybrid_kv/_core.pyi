@@ -148,8 +148,11 @@ class Plan:
 class PeerPlan:
     """TP mapping and descriptor tables of one local rank against one peer engine."""
 
-    def __new__(cls, local: RegionTable, remotes: list[str], mode: str = "pull", *, coalesce: bool = True) -> PeerPlan:
-        """``remotes``: metadata JSON of every handshaked remote rank; raises ``PlanError``.
+    def __new__(
+        cls, local: RegionTable, remotes: Sequence[bytes | str], mode: str = "pull", *, coalesce: bool = True
+    ) -> PeerPlan:
+        """``remotes``: every handshaked remote rank's payload bytes (decoded here as untrusted input; pass the
+        bytes ``validate_handshake`` accepted) or metadata JSON; raises ``HandshakeError`` / ``PlanError``.
 
         ``coalesce``: chunk rows for dense attention regions and one id per power-of-two run of consecutive
         blocks (nixl >= 1.5 strided tables); ``False`` gives the reference tables, one id per unit.

@@ -51,6 +51,34 @@ impl From<CoreLayoutError> for PyCoreError {
     }
 }
 
+/// Run core work on untrusted input so that a panic (a bug) reaches Python as `error` (a `HybridKvError`
+/// subclass) instead of PyO3's `PanicException`, a `BaseException` that `except Exception` lets through.
+///
+/// The core is built never to panic on any input (bounded, checked arithmetic, fuzzed); this is the guarantee
+/// that holds even where that fails. The panic hook still prints the panic to stderr, for the bug report.
+pub fn no_panic<T>(error: fn(String) -> PyErr, work: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(error(format!(
+            "internal error (a hybrid-kv bug, please report it): {what}"
+        )))
+    })
+}
+
+/// `PlanError(msg)`, for [`no_panic`].
+pub fn plan_error(msg: String) -> PyErr {
+    PlanError::new_err(msg)
+}
+
+/// `HandshakeError(msg)`, for [`no_panic`].
+pub fn handshake_error(msg: String) -> PyErr {
+    HandshakeError::new_err(msg)
+}
+
 /// Register the exception classes on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::errors::{HandshakeError, PyCoreError};
+use super::errors::{handshake_error, no_panic, HandshakeError, PyCoreError};
 use crate::core::handshake::{self as hs, Expected, Finding, ModelFactors};
 use crate::core::AgentMeta;
 
@@ -49,7 +49,10 @@ pub fn encode_meta<'py>(py: Python<'py>, meta_json: &str) -> PyResult<Bound<'py,
 #[pyfunction]
 pub fn decode_meta(py: Python<'_>, data: &[u8]) -> PyResult<String> {
     let data = data.to_vec();
-    let meta = py.detach(move || hs::decode(&data)).map_err(PyCoreError::from)?;
+    let meta = no_panic(handshake_error, || {
+        py.detach(move || hs::decode(&data))
+            .map_err(|e| PyCoreError::from(e).into())
+    })?;
     serde_json::to_string(&meta).map_err(|e| HandshakeError::new_err(e.to_string()))
 }
 
@@ -59,7 +62,9 @@ pub fn decode_meta(py: Python<'_>, data: &[u8]) -> PyResult<String> {
 ///     HandshakeError: the bytes do not decode.
 #[pyfunction]
 pub fn meta_fingerprint(data: &[u8]) -> PyResult<String> {
-    Ok(hs::fingerprint(&hs::decode(data).map_err(PyCoreError::from)?))
+    no_panic(handshake_error, || {
+        Ok(hs::fingerprint(&hs::decode(data).map_err(PyCoreError::from)?))
+    })
 }
 
 /// Model compatibility hash (hex SHA-256) of the model factors given as JSON.
@@ -80,14 +85,16 @@ fn findings_of(
     expected_tp_size: Option<u32>,
     expected_num_blocks: Option<u64>,
 ) -> PyResult<Vec<Finding>> {
-    let local = hs::decode(local).map_err(PyCoreError::from)?;
-    let remote = hs::decode(remote).map_err(PyCoreError::from)?;
-    let expected = Expected {
-        engine_id: expected_engine_id,
-        tp_size: expected_tp_size,
-        num_blocks: expected_num_blocks,
-    };
-    Ok(hs::findings(&local, &remote, &expected))
+    no_panic(handshake_error, || {
+        let local = hs::decode(local).map_err(PyCoreError::from)?;
+        let remote = hs::decode(remote).map_err(PyCoreError::from)?;
+        let expected = Expected {
+            engine_id: expected_engine_id,
+            tp_size: expected_tp_size,
+            num_blocks: expected_num_blocks,
+        };
+        Ok(hs::findings(&local, &remote, &expected))
+    })
 }
 
 /// Every failed handshake check between two metadata payloads, as `(check, local, remote, detail)` tuples

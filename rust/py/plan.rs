@@ -7,13 +7,18 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::{flat_descs, u64_matrix};
-use super::errors::{LayoutError, PlanError, PyCoreError};
+use pyo3::exceptions::PyTypeError;
+use pyo3::types::{PyBytes, PyString};
+
+use super::errors::{handshake_error, no_panic, plan_error, LayoutError, PlanError, PyCoreError};
 use super::ids::block_ids;
 use super::region::PyRegionTable;
+use crate::core::handshake as hs;
 use crate::core::plan::{PeerPlan, TableKey};
 use crate::core::plan_error::PlanError as CorePlanError;
 use crate::core::scenario::{Deployment, Scenario, ScenarioError};
 use crate::core::scenario_report::report;
+use crate::core::tp::MAX_TP_SIZE;
 use crate::core::{AgentMeta, TransferMode};
 
 impl From<CorePlanError> for PyCoreError {
@@ -44,6 +49,24 @@ fn parse_mode(mode: &str) -> PyResult<TransferMode> {
     }
 }
 
+/// One remote's metadata: wire bytes through the untrusted decoder, or JSON (checked by `PeerPlan` itself).
+fn remote_meta(item: &Bound<'_, PyAny>) -> PyResult<AgentMeta> {
+    if let Ok(bytes) = item.cast::<PyBytes>() {
+        let data = bytes.as_bytes();
+        return no_panic(handshake_error, || {
+            hs::decode(data).map_err(|e| PyCoreError::from(e).into())
+        });
+    }
+    if let Ok(text) = item.cast::<PyString>() {
+        return serde_json::from_str::<AgentMeta>(text.to_str()?)
+            .map_err(|e| PlanError::new_err(format!("bad remote metadata JSON: {e}")));
+    }
+    Err(PyTypeError::new_err(format!(
+        "remote metadata must be payload bytes or JSON str, got {}",
+        item.get_type().name()?
+    )))
+}
+
 fn parse_key(key: &str) -> PyResult<TableKey> {
     key.parse::<TableKey>().map_err(|e| PyCoreError::from(e).into())
 }
@@ -64,34 +87,40 @@ impl PyPeerPlan {
     ///
     /// Args:
     ///     local (RegionTable): this rank's region table.
-    ///     remotes (list[str]): handshake metadata (JSON) of every remote rank this rank talks to.
+    ///     remotes (Sequence[bytes | str]): the handshake payload of every remote rank this rank talks to: the
+    ///         wire bytes a peer served (decoded here, once, as untrusted input: pass exactly the bytes that
+    ///         `validate_handshake` accepted), or metadata JSON as `decode_meta` returns it. Either way the
+    ///         decoder's consistency checks run before any value is used.
     ///     mode (str): "pull" (local is decode) or "push" (local is prefill).
     ///     coalesce (bool): append chunk rows to the tables of attention regions that are dense on both sides
     ///         and plan runs of consecutive blocks as one descriptor per power-of-two chunk (needs nixl >= 1.5
     ///         strided tables to stay small). False gives the reference tables and one id per unit.
     /// Raises:
-    ///     PlanError: the two sides cannot be planned together (the message names both values).
+    ///     HandshakeError: a payload does not decode (too large, malformed, another version, inconsistent).
+    ///     PlanError: the two sides cannot be planned together (the message names both values), a remote's
+    ///         counts are over their limits, or its tables would address bytes outside its advertised regions.
     #[new]
     #[pyo3(signature = (local, remotes, mode = "pull", *, coalesce = true))]
     fn new(
         py: Python<'_>,
         local: PyRef<'_, PyRegionTable>,
-        remotes: Vec<String>,
+        remotes: Vec<Bound<'_, PyAny>>,
         mode: &str,
         coalesce: bool,
     ) -> PyResult<Self> {
         let mode = parse_mode(mode)?;
-        let metas = remotes
-            .iter()
-            .map(|m| {
-                serde_json::from_str::<AgentMeta>(m)
-                    .map_err(|e| PlanError::new_err(format!("bad remote metadata: {e}")))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        if remotes.len() > MAX_TP_SIZE as usize {
+            return Err(PlanError::new_err(format!(
+                "{} remote payloads given, over the limit of {MAX_TP_SIZE} (the largest TP size)",
+                remotes.len()
+            )));
+        }
+        let metas = remotes.iter().map(remote_meta).collect::<PyResult<Vec<_>>>()?;
         let table = Arc::clone(&local.inner);
-        let peer = py
-            .detach(move || PeerPlan::with_coalescing(&table, &metas, mode, coalesce))
-            .map_err(PyCoreError::from)?;
+        let peer = no_panic(plan_error, || {
+            py.detach(move || PeerPlan::with_coalescing(&table, &metas, mode, coalesce))
+                .map_err(|e| PyCoreError::from(e).into())
+        })?;
         Ok(PyPeerPlan { inner: Arc::new(peer) })
     }
 
@@ -202,13 +231,15 @@ impl PyPeerPlan {
     fn plan(&self, py: Python<'_>, local_ids: &Bound<'_, PyAny>, remote_ids: &Bound<'_, PyAny>) -> PyResult<PyPlan> {
         let (local_ids, remote_ids) = (block_ids(local_ids, "local")?, block_ids(remote_ids, "remote")?);
         let size: usize = local_ids.iter().chain(&remote_ids).map(Vec::len).sum();
-        let plan = if size < DETACH_FROM_IDS {
-            self.inner.plan(&local_ids, &remote_ids)
-        } else {
-            let peer = Arc::clone(&self.inner);
-            py.detach(move || peer.plan(&local_ids, &remote_ids))
-        }
-        .map_err(PyCoreError::from)?;
+        let plan = no_panic(plan_error, || {
+            if size < DETACH_FROM_IDS {
+                self.inner.plan(&local_ids, &remote_ids)
+            } else {
+                let peer = Arc::clone(&self.inner);
+                py.detach(move || peer.plan(&local_ids, &remote_ids))
+            }
+            .map_err(|e| PyCoreError::from(e).into())
+        })?;
         let mut transfers = Vec::with_capacity(plan.transfers.len());
         for t in plan.transfers {
             let rt = PyRankTransfer {
@@ -361,12 +392,14 @@ impl PyPlan {
 #[pyo3(signature = (scenario_json, *, moves = true, coalesce = true))]
 pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce: bool) -> PyResult<String> {
     let text = scenario_json.to_owned();
-    let out = py.detach(move || -> Result<String, ScenarioError> {
-        let dep = Deployment::build_with(&Scenario::from_json(&text)?, coalesce)?;
-        let r = report(&dep, moves)?;
-        serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
-    });
-    out.map_err(|e| PyCoreError::from(e).into())
+    no_panic(plan_error, || {
+        let out = py.detach(move || -> Result<String, ScenarioError> {
+            let dep = Deployment::build_with(&Scenario::from_json(&text)?, coalesce)?;
+            let r = report(&dep, moves)?;
+            serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
+        });
+        out.map_err(|e| PyCoreError::from(e).into())
+    })
 }
 
 /// The remote ranks a local rank handshakes and exchanges data with (reference C.2): the one remote rank

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .._core import PeerPlan, RegionTable, decode_meta
+from .._core import PeerPlan, RegionTable
 from ..transport import Transfer
 
 U64 = npt.NDArray[np.uint64]
@@ -20,8 +20,9 @@ class RankPlanner:
     """One active rank's plan against the peer engine."""
 
     def __init__(self, table: RegionTable, payloads: dict[int, bytes], mode: str, *, coalesce: bool = True) -> None:
-        metas = [decode_meta(payloads[r]) for r in sorted(payloads)]
-        self.plan_ = PeerPlan(table, metas, mode, coalesce=coalesce)
+        """``payloads``: each peer rank's handshake payload, exactly the bytes ``validate_handshake`` accepted
+        (decoded once, in Rust, by ``PeerPlan``)."""
+        self.plan_ = PeerPlan(table, [payloads[r] for r in sorted(payloads)], mode, coalesce=coalesce)
         self.local_tables: dict[str, U64] = {key: self.plan_.local_rows(key) for key in self.plan_.table_keys}
         self._index = {k: _RowIndex(v) for k, v in self.local_tables.items()}
 

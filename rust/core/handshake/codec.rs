@@ -2,14 +2,15 @@
 //!
 //! Decoding treats the bytes as hostile: size and shape are bounded by [`prescan`] before `rmp-serde`
 //! sees them, the version is read on its own first (so a peer on another format gets "version local X,
-//! remote Y" rather than a field error), and the decoded metadata must be internally consistent
-//! ([`check_well_formed`]) before anyone plans with it.
+//! remote Y" rather than a field error), and the decoded metadata must be safe to compute with
+//! ([`structure_findings`]). Where its regions lie (overlaps, states larger than pages) is judged by the
+//! validation, which lists it beside every other finding, and by `PeerPlan`, which refuses it.
 
 use serde::Deserialize;
 
 use super::error::HandshakeError;
 use super::scan::prescan;
-use super::wellformed::check_well_formed;
+use super::wellformed::structure_findings;
 use crate::core::meta::{AgentMeta, META_VERSION};
 
 /// Encode metadata for the wire (msgpack map with named fields).
@@ -54,7 +55,7 @@ pub fn decode(bytes: &[u8]) -> Result<AgentMeta, HandshakeError> {
     }
     let meta: AgentMeta =
         rmp_serde::from_slice(bytes).map_err(|e| HandshakeError::Malformed(format!("cannot decode metadata: {e}")))?;
-    let problems = check_well_formed(&meta);
+    let problems = structure_findings(&meta);
     if problems.is_empty() {
         Ok(meta)
     } else {

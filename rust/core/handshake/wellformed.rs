@@ -6,9 +6,9 @@
 //!
 //! Two kinds of finding: [`structure_findings`] make the values unsafe to compute with (a validation stops
 //! there), [`placement_findings`] describe memory a plan must never touch (regions overlapping one another, an
-//! SSM state larger than its page: a push plan would write past the page or into another region). Both
-//! reject the metadata at decode and in `PeerPlan`; a validation lists placement findings beside the
-//! comparisons.
+//! SSM state larger than its page: a push plan would write past the page or into another region). The
+//! decoder rejects structure findings; a validation lists placement findings beside the comparisons; `PeerPlan`
+//! refuses both ([`check_well_formed`]).
 
 use super::error::Finding;
 use crate::core::meta::{AgentMeta, RegionMeta};
