@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 from nixl._api import nixl_agent, nixl_agent_config
 
+from .netif import ucx_restricted_to
 from .tables import DescTable, expand_strided, registration_array
 
 __all__ = ["CALL_ERRORS", "DISCONNECT", "LOCAL", "NIXL_ERRORS", "Agent"]
@@ -87,10 +88,15 @@ class Agent:
         local_tables: Mapping[str, npt.ArrayLike],
         backend: str,
         ucx_error_handling_mode: str,
+        net_device: str | None = None,
     ) -> None:
-        """Create the backend, register ``registration`` once and prep every local table once."""
+        """Create the backend, register ``registration`` once and prep every local table once.
+
+        ``net_device`` is the one network interface UCX may use and listen on (``None``: any); see ``netif``.
+        """
         params = {"ucx_error_handling_mode": ucx_error_handling_mode} if backend == "UCX" else {}
-        self.nixl.create_backend(backend, params)
+        with ucx_restricted_to(net_device):
+            self.nixl.create_backend(backend, params)
         self._reg_rows = registration_array(registration)
         self._reg = self.nixl.register_memory(self._reg_rows, self.mem_type)
         self.tables = {key: DescTable(key, np.asarray(rows)) for key, rows in local_tables.items()}
