@@ -107,7 +107,8 @@ def peer_main(name: str, seed: int, out: Any, cmds: Any, lifetime_s: float, answ
     """A prefill-like endpoint: serves its metadata, reports passive events, WRITEs on control messages.
 
     Control payload (JSON): ``{"rid", "address", "key", "src", "dst"}``: WRITE our ``src`` ids of
-    table ``key`` onto the sender's ``dst`` ids, connecting to the sender at ``address`` first.
+    table ``key`` onto the sender's ``dst`` ids, connecting to the sender at ``address`` first; the
+    endpoint there must be the (authenticated) sender itself, else the request fails.
     Commands on ``cmds``: ``"stop"``, ``"hang"`` (stop polling NIXL but stay alive).
     """
     from hybrid_kv.transport import Endpoint, HandshakeError, TransferError
@@ -140,7 +141,9 @@ def peer_main(name: str, seed: int, out: Any, cmds: Any, lifetime_s: float, answ
                 req = json.loads(msg.payload)
                 try:
                     if ep.peer_state(msg.sender)[0] != "ready":
-                        ep.connect(msg.sender, req["address"], tables_from_payload, timeout_s=3.0)
+                        ep.connect(
+                            msg.sender, req["address"], tables_from_payload, timeout_s=3.0, expected_name=msg.sender
+                        )
                     src = np.array(req["src"], dtype=np.int32)
                     dst = np.array(req["dst"], dtype=np.int32)
                     ep.post(req["rid"], [(msg.sender, req["key"], req["key"], src, dst)], "WRITE", 3.0)

@@ -9,6 +9,10 @@ that ``poll()`` enforces.
 The endpoint wires together ``Agent`` (the NIXL agent and the handles it owns), ``Peers``
 (handshakes and peer state), ``InFlight`` (posting, progress, completion and failure of requests)
 and ``Inbox`` (notifications from peers).
+
+Every byte a peer sends is untrusted: side-channel frames are authenticated with the deployment's
+shared secret (``auth``), bounded in size, and bound to the peer's NIXL agent (``peers``); see
+ARCHITECTURE.md, "Threat model / trust boundary".
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Any
 import numpy.typing as npt
 import zmq
 
-from .agent import Agent
+from . import netif
+from .agent import Agent, log
+from .auth import resolve_secret
 from .errors import HandshakeError, TransferError
 from .inbox import Inbox
 from .inflight import InFlight
@@ -30,7 +36,11 @@ from .peers import Peer, Peers
 from .requests import ControlMessage, Op, PeerKey, PollResult, RequestHandle, Transfer
 from .side_channel import ChannelError, SideChannelServer, send_control
 
-__all__ = ["Endpoint"]
+__all__ = ["MAX_QUEUED_CONTROLS", "Endpoint"]
+
+MAX_QUEUED_CONTROLS = 1024
+"""Control messages queued until the owner's next ``poll()``; past that, new ones are refused (the
+sender gets a ``TransferError`` saying the queue is full) and the overflow is logged."""
 
 
 class Endpoint:
@@ -43,10 +53,23 @@ class Endpoint:
         mem_type: NIXL memory type of the registration and tables (``"DRAM"``, ``"VRAM"``...).
         metadata_provider: ``rank -> payload bytes`` served to peers during their handshake
             (called from the side-channel thread; must be thread-safe). ``None`` serves ``b""``.
-        listen: ZeroMQ address for the side channel (port 0 = any), or ``None`` for no server.
+        listen: the address of this endpoint, ``tcp://IPV4:PORT`` (port 0 = any free port): the side
+            channel binds it and UCX is restricted to the network interface owning that IPv4 address
+            (``UCX_NET_DEVICES``, set while the backend is created; see ``netif``; ``tcp://*:PORT``
+            restricts nothing). ``None``: no side channel, and UCX restricted to loopback.
+        secret: the deployment's shared side-channel secret (``str`` or ``bytes``, at least 16 bytes);
+            ``None`` reads ``HYBRID_KV_SECRET``. Every side-channel request and reply is authenticated with it.
+        insecure: ``True`` runs the side channel without authentication (``secret`` must be ``None``;
+            ``HYBRID_KV_SECRET`` is ignored): any process reaching the port can then read the NIXL metadata
+            and so read and write the registered memory.
         backend: NIXL backend plugin.
         ucx_error_handling_mode: ``"peer"`` (default) turns a dead peer into an error instead of a
             hang, at the cost of excluding shared-memory transports that cannot report it.
+
+    Raises:
+        ValueError: a side channel without a secret (and not ``insecure``), a secret too short, or a
+            ``listen`` address that is malformed or not on this machine.
+        ChannelError: the side channel cannot bind ``listen``.
 
     The endpoint is a context manager; ``close()`` fails live requests, releases every xfer and
     dlist handle, removes remote agents, deregisters memory and stops the side channel.
@@ -61,9 +84,14 @@ class Endpoint:
         mem_type: str = "DRAM",
         metadata_provider: Callable[[int], bytes] | None = None,
         listen: str | None = "tcp://127.0.0.1:0",
+        secret: bytes | str | None = None,
+        insecure: bool = False,
         backend: str = "UCX",
         ucx_error_handling_mode: str = "peer",
     ) -> None:
+        who = f"endpoint {name!r}"
+        self._key = resolve_secret(secret, insecure=insecure, required=listen is not None, what=who)
+        net_device = netif.interface_of(netif.listen_host(listen))
         self.name = name
         self.mem_type = mem_type
         self._provider = metadata_provider
@@ -71,6 +99,7 @@ class Endpoint:
         self._stop = threading.Event()
         self._server: SideChannelServer | None = None
         self._controls: collections.deque[ControlMessage] = collections.deque()
+        self._controls_overflowed = False  # the current overflow was logged
         self._closed = False
 
         self._agent = Agent(name, mem_type)
@@ -79,6 +108,7 @@ class Endpoint:
             self._ctx,
             name,
             self._stop,
+            key=self._key,
             on_ready=self._on_peer_ready,
             on_down=self._on_peer_down,
             on_drop=self._on_peer_dropped,
@@ -86,9 +116,11 @@ class Endpoint:
         self._requests = InFlight(self._agent, self._peers)
         self._inbox = Inbox(self._agent, self._requests)
         try:
-            self._agent.open(registration, local_tables, backend, ucx_error_handling_mode)
+            self._agent.open(registration, local_tables, backend, ucx_error_handling_mode, net_device)
             if listen is not None:
-                self._server = SideChannelServer(self._ctx, listen, self._serve_meta, self._on_control)
+                self._server = SideChannelServer(
+                    self._ctx, listen, self._serve_meta, self._on_control, name=name, key=self._key
+                )
         except BaseException:
             self.close()
             raise
@@ -157,6 +189,8 @@ class Endpoint:
         rank: int = 0,
         validate: Callable[[bytes], object] | None = None,
         timeout_s: float = 5.0,
+        expected_payload: bytes | None = None,
+        expected_name: str | None = None,
     ) -> None:
         """Start connecting to ``peer`` in the background; requests posted to it wait for the result.
 
@@ -168,16 +202,23 @@ class Endpoint:
             rank: which rank's metadata to ask the peer for.
             validate: called with the peer's payload; any exception rejects the peer.
             timeout_s: the whole handshake's deadline.
+            expected_payload: if given, the peer must serve exactly these bytes (e.g. the payload a plan
+                was built from in an earlier fetch), else it is refused.
+            expected_name: if given, the peer must be the endpoint of that name (its authenticated
+                side-channel name, which is also its NIXL agent name), else it is refused.
 
-        A failed handshake fails every request waiting on it. Reconnecting an existing key drops the
-        old connection first (its prepped tables are stale once the remote agent is removed).
+        The peer's side-channel name must equal the name of the NIXL agent its metadata loads, and an
+        agent may be connected under one key only: a second key is refused (naming the first) unless the
+        first is down, whose agent is then unloaded (a restarted peer). A failed handshake fails every
+        request waiting on it. Reconnecting an existing key drops the old connection first (its prepped
+        tables are stale once the remote agent is removed).
         """
         self._check_open()
         old = self._peers.pop(peer)
         if old is not None:
             self._requests.fail_peer(old.key, f"peer {peer!r} is reconnecting")
             self._peers.drop(old)
-        self._peers.begin(peer, address, tables, rank, validate, timeout_s)
+        self._peers.begin(peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name)
 
     def connect(
         self,
@@ -188,16 +229,31 @@ class Endpoint:
         rank: int = 0,
         validate: Callable[[bytes], object] | None = None,
         timeout_s: float = 5.0,
+        expected_payload: bytes | None = None,
+        expected_name: str | None = None,
     ) -> bytes:
         """Connect to ``peer`` and wait (driving progress) until ready; returns the peer's payload.
 
+        Arguments as ``begin_connect``.
+
         Raises:
-            HandshakeError: timeout, protocol mismatch, the peer's error, a rejected payload, or NIXL
-                refusing the peer's metadata or tables. Its ``findings`` attribute lists what
-                ``validate`` found, as ``(check, local, remote, detail)``, when that rejected the payload
-                with a ``HandshakeError`` (``validate_handshake`` does); it is empty otherwise.
+            HandshakeError: timeout, protocol mismatch, failed authentication (``peer at ADDR failed
+                authentication``), the peer's error, a rejected or unexpected payload or name, an agent
+                already connected under another key, or NIXL refusing the peer's metadata or tables. Its
+                ``findings`` attribute lists what ``validate`` found, as ``(check, local, remote, detail)``,
+                when that rejected the payload with a ``HandshakeError`` (``validate_handshake`` does); it is
+                empty otherwise.
         """
-        self.begin_connect(peer, address, tables, rank=rank, validate=validate, timeout_s=timeout_s)
+        self.begin_connect(
+            peer,
+            address,
+            tables,
+            rank=rank,
+            validate=validate,
+            timeout_s=timeout_s,
+            expected_payload=expected_payload,
+            expected_name=expected_name,
+        )
         state = self._peers[peer]
         while state.state == "connecting":
             if state.thread is not None:
@@ -221,17 +277,37 @@ class Endpoint:
         state = self._peers.get(peer)
         return None if state is None else state.agent_name
 
-    def send_control(self, address: str, payload: bytes, timeout_s: float = 5.0) -> None:
+    def peer_of(self, agent_name: str) -> PeerKey | None:
+        """The key of the peer connected to agent ``agent_name`` (at most one), or ``None``.
+
+        Use it to check that a ``ControlMessage.sender`` or a notification's sender is the peer a request
+        belongs to.
+        """
+        holder = self._peers.holder(agent_name)
+        return None if holder is None else holder.key
+
+    def send_control(
+        self, address: str, payload: bytes, timeout_s: float = 5.0, *, expected_name: str | None = None
+    ) -> None:
         """Deliver an opaque control payload to the endpoint serving ``address`` and wait for its ack.
 
+        The receiver sees this endpoint's name as the authenticated ``ControlMessage.sender``.
+        ``expected_name``: the acknowledging endpoint must have that name.
+
         Raises:
-            TransferError: no acknowledgement within ``timeout_s`` or an error from the peer.
+            TransferError: a payload over ``side_channel.MAX_CONTROL_BYTES``, no acknowledgement within
+                ``timeout_s``, failed authentication, an unexpected acknowledging endpoint, or an error
+                from the peer (e.g. its control queue is full).
         """
         self._check_open()
         try:
-            send_control(self._ctx, address, payload, self.name, timeout_s)
+            acked_by = send_control(self._ctx, address, payload, self.name, timeout_s, key=self._key)
         except ChannelError as exc:
             raise TransferError(f"control message to {address} failed: {exc}") from exc
+        if expected_name is not None and acked_by != expected_name:
+            raise TransferError(
+                f"control message to {address} was acknowledged by {acked_by!r}, expected {expected_name!r}"
+            )
 
     # ------------------------------------------------------------------ requests
 
@@ -275,6 +351,7 @@ class Endpoint:
     def _progress(self) -> None:
         while self._controls:
             self._requests.events.control.append(self._controls.popleft())
+        self._controls_overflowed = False
         self._peers.finish_due()
         self._inbox.drain()
         self._requests.progress()
@@ -296,6 +373,21 @@ class Endpoint:
         return payload, self._agent.metadata
 
     def _on_control(self, sender: str, payload: bytes) -> None:
+        """Queue an authenticated control message (side-channel thread); refuse it when the queue is full."""
+        if len(self._controls) >= MAX_QUEUED_CONTROLS:  # only this thread appends, so the queue cannot overshoot
+            if not self._controls_overflowed:
+                self._controls_overflowed = True
+                log.warning(
+                    "endpoint %r: control queue full (%d messages not yet polled); refusing control messages "
+                    "(first refused: from %r) until poll() drains it",
+                    self.name,
+                    MAX_QUEUED_CONTROLS,
+                    sender,
+                )
+            raise OverflowError(
+                f"control queue of {self.name!r} is full: {len(self._controls)} messages not yet polled "
+                f"(limit {MAX_QUEUED_CONTROLS})"
+            )
         self._controls.append(ControlMessage(sender, payload))  # deque.append is thread-safe
 
     def _check_open(self) -> None:

@@ -91,7 +91,12 @@ class RemoteEvent(NamedTuple):
 
 
 class ControlMessage(NamedTuple):
-    """An opaque control payload received on the side channel, with the sender's endpoint name."""
+    """An opaque control payload received on the side channel, with the sender's endpoint name.
+
+    ``sender`` is authenticated with the shared secret (it is the name the sending endpoint gave, and any
+    holder of the secret may give any name): act on a request only for the peer it belongs to, e.g.
+    connect back with ``Endpoint.connect(..., expected_name=sender)`` or check ``Endpoint.peer_of(sender)``.
+    """
 
     sender: str
     payload: bytes
