@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
 import queue
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -166,6 +168,7 @@ class _Ranks:
         self.cfg = cfg
         self.events = events
         ctx = process_context(cfg.start_method)
+        secret = os.environ.get("HYBRID_KV_SECRET") or secrets.token_hex(32)  # the ranks' side-channel secret
         self.outbox: Any = ctx.Queue()
         self.procs: dict[tuple[str, int], Any] = {}
         self.inboxes: dict[tuple[str, int], Any] = {}
@@ -183,7 +186,7 @@ class _Ranks:
                 inbox = ctx.Queue()
                 proc = ctx.Process(
                     target=worker.main,
-                    args=(spec, inbox, self.outbox, (other_kb, other.num_blocks)),
+                    args=(spec, inbox, self.outbox, (other_kb, other.num_blocks), secret),
                     name=f"hybrid-kv-{spec.name}",
                     daemon=True,
                 )

@@ -61,9 +61,14 @@ def side_of(spec: WorkerSpec, tp: int, kernel_block_size: int | None, num_blocks
     return Side(preset, preset.geometry(tp, kernel_block_size=kernel_block_size), num_blocks)
 
 
-def main(spec: WorkerSpec, inbox: Any, outbox: Any, other_side: tuple[int | None, int]) -> None:
-    """Process entry point; ``other_side`` is the peer engine's ``(kernel_block_size, num_blocks)``."""
+def main(
+    spec: WorkerSpec, inbox: Any, outbox: Any, other_side: tuple[int | None, int], secret: str | None = None
+) -> None:
+    """Process entry point; ``other_side`` is the peer engine's ``(kernel_block_size, num_blocks)``; ``secret``
+    the side-channel secret shared by the demo's ranks (set as this rank process's ``HYBRID_KV_SECRET``)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines would drown the demo's output
+    if secret is not None:
+        os.environ["HYBRID_KV_SECRET"] = secret
     try:
         _Worker(spec, inbox, outbox, other_side).run()
     except SystemExit:
@@ -194,6 +199,7 @@ class _Worker:
                 rank=r,
                 validate=lambda payload: validate_handshake(self.payload, payload),
                 timeout_s=10.0,
+                expected_payload=payloads[r],  # the bytes the plan was built from
             )
         connect_s = time.perf_counter() - t0
         self.send("connected", targets, plan_setup_s, connect_s, self.planner.table_shapes())
