@@ -395,16 +395,22 @@ fn inside(extents: &[(u64, u64)], addr: u64, len: u64) -> bool {
         .is_some_and(|end| extents.iter().any(|&(b, e)| addr >= b && end <= e))
 }
 
-/// Whether every descriptor of a strided row lies inside one of `extents` (rows are affine, so its first and
-/// last descriptors bound it).
+/// Whether every descriptor of a strided row lies inside one and the same extent of `extents` (rows are affine,
+/// so its first and last descriptors bound it; a row starting in one extent and ending in another would
+/// address the gap between them).
 fn row_inside(extents: &[(u64, u64)], row: &StridedRow) -> bool {
     if row.count == 0 {
         return true;
     }
-    let last = (row.count - 1)
+    let last_end = (row.count - 1)
         .checked_mul(row.stride)
-        .and_then(|o| row.addr.checked_add(o));
-    inside(extents, row.addr, row.len) && last.is_some_and(|a| inside(extents, a, row.len))
+        .and_then(|o| row.addr.checked_add(o))
+        .and_then(|a| a.checked_add(row.len));
+    let first_end = row.addr.checked_add(row.len);
+    match (first_end, last_end) {
+        (Some(f), Some(l)) => extents.iter().any(|&(b, e)| row.addr >= b && f <= e && l <= e),
+        _ => false,
+    }
 }
 
 fn rows(t: &DescTable) -> &[StridedRow] {
@@ -604,6 +610,8 @@ mod tests {
         assert!(!row_inside(&ext, &row(100, 10, 10, 11)));
         assert!(!row_inside(&ext, &row(99, 10, 10, 1)));
         assert!(!row_inside(&ext, &row(u64::MAX - 4, 10, 10, 1)));
+        // First descriptor in one extent, last in another: the gap between them is addressed.
+        assert!(!row_inside(&[(100, 200), (300, 400)], &row(150, 10, 200, 2)));
     }
 
     /// The seeded short campaign CI runs (the `fuzz_peer` example runs the long one).

@@ -22,7 +22,7 @@
 //!   can be checked independently of how descriptors are indexed.
 
 use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts};
-use super::descs::DescTable;
+use super::descs::{DescTable, StridedRow};
 use super::handshake::check_well_formed;
 use super::meta::{AgentMeta, TransferMode};
 use super::plan_emit::{Slots, Windows};
@@ -202,7 +202,9 @@ fn sorted_by_rank(remotes: &[AgentMeta]) -> Vec<&AgentMeta> {
 /// The last line of defence: every descriptor of `table` must lie inside one region `remote` advertised.
 /// Rows are affine, so a row's first and last descriptors bound it.
 fn check_inside_advertised(rank: u32, table: &DescTable, remote: &AgentMeta) -> Result<(), PlanError> {
-    let extents: Vec<(u64, u64)> = remote
+    // Extents sorted by base; well-formed regions do not overlap, so the one that can hold an address is the
+    // last starting at or below it (a binary search: tables have thousands of chunk rows).
+    let mut extents: Vec<(u64, u64)> = remote
         .regions
         .iter()
         .filter_map(|r| {
@@ -214,18 +216,19 @@ fn check_inside_advertised(rank: u32, table: &DescTable, remote: &AgentMeta) -> 
             Some((r.base, r.base.checked_add(ext)?))
         })
         .collect();
-    let inside = |addr: u64, len: u64| {
-        addr.checked_add(len)
-            .is_some_and(|end| extents.iter().any(|&(b, e)| addr >= b && end <= e))
+    extents.sort_unstable();
+    // The region holding the row's first byte must also hold its last descriptor's last byte: a row that
+    // starts in one region and ends in another would address the gap between them.
+    let holds = |row: &StridedRow| -> Option<bool> {
+        let i = extents.partition_point(|&(b, _)| b <= row.addr).checked_sub(1)?;
+        let last = (row.count - 1).checked_mul(row.stride)?.checked_add(row.addr)?;
+        Some(last.checked_add(row.len)? <= extents[i].1 && row.addr.checked_add(row.len)? <= extents[i].1)
     };
     for row in &table.rows {
         if row.count == 0 {
             continue;
         }
-        let last = (row.count - 1)
-            .checked_mul(row.stride)
-            .and_then(|o| row.addr.checked_add(o));
-        if !(inside(row.addr, row.len) && last.is_some_and(|a| inside(a, row.len))) {
+        if holds(row) != Some(true) {
             return Err(PlanError::OutsideAdvertised {
                 rank,
                 addr: row.addr,
