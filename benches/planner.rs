@@ -207,6 +207,10 @@ fn bench_peer_tables(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("peer_plan_new", name), |b| {
             b.iter(|| PeerPlan::new(black_box(&table), black_box(&metas), s.mode).unwrap())
         });
+        // The same tables without chunk rows (`coalesce=False`): what coalescing costs at construction.
+        g.bench_function(BenchmarkId::new("peer_plan_reference", name), |b| {
+            b.iter(|| PeerPlan::with_coalescing(black_box(&table), black_box(&metas), s.mode, false).unwrap())
+        });
         // The reference tables (no chunk rows: what a NIXL < 1.5 user builds) expanded to Nx3, the form NIXL
         // < 1.5 takes.
         g.bench_function(BenchmarkId::new("peer_tables_nx3", name), |b| {

@@ -98,7 +98,9 @@ pub fn with_chunk_rows(
     region_count: &[u64],
     coalesce: &[bool],
 ) -> (DescTable, Vec<Option<ChunkStarts>>) {
-    let mut rows = table.rows.clone();
+    let chunked = coalesce.iter().filter(|&&c| c).count();
+    let mut rows = Vec::with_capacity(table.rows.len() + chunked * CHUNK_ROWS);
+    rows.extend_from_slice(&table.rows);
     let mut next = table.len();
     let mut starts = Vec::with_capacity(coalesce.len());
     for r in 0..coalesce.len() {

@@ -204,16 +204,28 @@ fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
             let whole = attn == "mla" || p == d;
             let locals = if mode == "pull" { &c.decode } else { &c.prefill };
             for (i, (pc, pr)) in c.peers.iter().zip(&r.peers).enumerate() {
-                assert_eq!(pc.coalesced(), whole, "{attn} P{p} D{d} {mode}");
+                let attention = pc.attention_ranks();
+                assert_eq!(
+                    pc.coalesced(),
+                    whole && !attention.is_empty(),
+                    "{attn} P{p} D{d} {mode}"
+                );
                 // The base table depends on the local rank alone: chunk rows for both dense attention regions.
                 let base = &pc.local_tables[0].1;
                 assert_eq!(base, &locals[i].table.coalesced_local_table(1).unwrap());
                 assert_eq!(base.rows.len() - pr.local_tables[0].1.rows.len(), 2 * 126);
-                // Split and remote tables: 126 chunk rows per attention region when it is kept whole, else none.
-                let others = tables(pc).skip(1).zip(tables(pr).skip(1));
-                for (tc, tr) in others {
+                // Split tables: 126 chunk rows per attention region when it is kept whole, else none.
+                let splits = pc.local_tables.iter().zip(&pr.local_tables).skip(1);
+                for ((_, tc), (_, tr)) in splits {
                     let added = tc.rows.len() - tr.rows.len();
-                    assert_eq!(added, if whole { 2 * 126 } else { 0 }, "{attn} P{p} D{d} {mode}");
+                    let want = if whole && !attention.is_empty() { 2 * 126 } else { 0 };
+                    assert_eq!(added, want, "{attn} P{p} D{d} {mode}");
+                }
+                // Remote tables: the same, for the ranks attention is exchanged with; SSM-only ranks get none.
+                for ((rank, tc), (_, tr)) in pc.remote_tables.iter().zip(&pr.remote_tables) {
+                    let added = tc.rows.len() - tr.rows.len();
+                    let want = if whole && attention.contains(rank) { 2 * 126 } else { 0 };
+                    assert_eq!(added, want, "{attn} P{p} D{d} {mode} remote rank {rank}");
                 }
             }
             let (nc, nr) = compare(&s);

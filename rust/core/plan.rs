@@ -192,6 +192,18 @@ fn check_remote_size(
     Ok(())
 }
 
+/// Remote ranks of the routes that carry an attention group, ascending.
+fn attention_ranks(routes: &[Route], groups: &[GroupKind]) -> Vec<u32> {
+    let mut ranks: Vec<u32> = routes
+        .iter()
+        .filter(|r| r.groups.iter().zip(groups).any(|(&on, g)| on && g.is_attention()))
+        .map(|r| r.remote_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
 /// `remotes` in ascending rank order (the order of `PeerPlan::remote_tables`).
 fn sorted_by_rank(remotes: &[AgentMeta]) -> Vec<&AgentMeta> {
     let mut v: Vec<&AgentMeta> = remotes.iter().collect();
@@ -327,6 +339,10 @@ impl PeerPlan {
             remote_tables.push((m.tp_rank, t));
         }
         remote_tables.sort_by_key(|(r, _)| *r);
+        // Checked before chunk rows are appended: each chunk row lies inside the dense row it is cut from.
+        for ((rank, table), m) in remote_tables.iter().zip(sorted_by_rank(remotes)) {
+            check_inside_advertised(*rank, table, m)?;
+        }
         let base = local.local_table(units.local_sub)?;
         if base.len() > ID_LIMIT {
             return Err(PlanError::TableTooLarge {
@@ -387,9 +403,12 @@ impl PeerPlan {
         }
         local_tables.insert(0, (base_key, base));
         let chunks = if coalesce {
+            // Only remote ranks some route exchanges attention with ever use chunk ids (an MLA pull reads one
+            // of the ranks it handshakes with; SSM-only ranks get none).
             add_chunk_rows(
                 &mut local_tables,
                 &mut remote_tables,
+                &attention_ranks(&routes, &groups),
                 &region_groups,
                 (&local_space, &l_counts),
                 (&remote_space, &r_counts),
@@ -397,9 +416,6 @@ impl PeerPlan {
         } else {
             vec![None; region_groups.len()]
         };
-        for ((rank, table), m) in remote_tables.iter().zip(sorted_by_rank(remotes)) {
-            check_inside_advertised(*rank, table, m)?;
-        }
         let slots = Slots::new(
             &groups,
             &region_groups,
@@ -419,6 +435,11 @@ impl PeerPlan {
             routes,
             slots,
         })
+    }
+
+    /// Remote ranks this local rank exchanges attention pages with (the others carry SSM state only).
+    pub fn attention_ranks(&self) -> Vec<u32> {
+        attention_ranks(&self.routes, &self.groups)
     }
 
     /// Whether some region's runs are coalesced into chunk descriptors (its tables have chunk rows).
@@ -588,6 +609,7 @@ impl PeerPlan {
 fn add_chunk_rows(
     local_tables: &mut [(TableKey, DescTable)],
     remote_tables: &mut [(u32, DescTable)],
+    attention_ranks: &[u32],
     region_groups: &[Vec<usize>],
     (l_space, l_counts): (&IdSpace, &[u64]),
     (r_space, r_counts): (&IdSpace, &[u64]),
@@ -622,26 +644,44 @@ fn add_chunk_rows(
             with_chunk_rows(t, &l_space.region_start, l_counts, mask)
         })
         .collect();
-    let remote: Vec<_> = remote_tables
+    let remote: Vec<Option<_>> = remote_tables
         .iter()
-        .map(|(_, t)| with_chunk_rows(t, &r_space.region_start, r_counts, &remote_mask))
+        .map(|(rank, t)| {
+            attention_ranks
+                .contains(rank)
+                .then(|| with_chunk_rows(t, &r_space.region_start, r_counts, &remote_mask))
+        })
         .collect();
-    if local.iter().chain(&remote).any(|(t, _)| t.len() > ID_LIMIT) {
+    let Some((_, remote_starts)) = remote.iter().flatten().next() else {
+        // No route exchanges attention, so no chunk id is ever planned; the base table still gets its chunk
+        // rows, since it depends on the local rank alone (prepped before any handshake).
+        if let Some((base, _)) = local.into_iter().next().filter(|(t, _)| t.len() <= ID_LIMIT) {
+            local_tables[0].1 = base;
+        }
+        return none();
+    };
+    if local
+        .iter()
+        .chain(remote.iter().flatten())
+        .any(|(t, _)| t.len() > ID_LIMIT)
+    {
         return none();
     }
     // Chunk starts depend only on the region counts and the mask, so all split (all remote) tables agree.
     let used = if local.len() > 1 { &local[1].1 } else { &local[0].1 };
     let chunks = used
         .iter()
-        .zip(&remote[0].1)
+        .zip(remote_starts)
         .zip(&remote_mask)
         .map(|((l, r), &m)| if m { l.clone().zip(r.clone()) } else { None })
         .collect();
     for ((_, t), (c, _)) in local_tables.iter_mut().zip(local) {
         *t = c;
     }
-    for ((_, t), (c, _)) in remote_tables.iter_mut().zip(remote) {
-        *t = c;
+    for ((_, t), c) in remote_tables.iter_mut().zip(remote) {
+        if let Some((c, _)) = c {
+            *t = c;
+        }
     }
     chunks
 }
