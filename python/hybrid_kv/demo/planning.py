@@ -10,10 +10,32 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .._core import PeerPlan, RegionTable
+from .._core import HandshakeError, PeerPlan, RegionTable, validate_handshake
 from ..transport import Transfer
 
 U64 = npt.NDArray[np.uint64]
+
+
+def validated_planner(
+    table: RegionTable, own_payload: bytes, payloads: dict[int, bytes], mode: str, *, coalesce: bool = True
+) -> RankPlanner:
+    """Validate every peer rank's payload against ours, then plan from exactly those bytes.
+
+    Nothing is planned from a payload the handshake has not accepted; connect with ``expected_payload`` so
+    the connection is bound to the same bytes.
+
+    Raises:
+        HandshakeError: a peer's payload is incompatible or malformed; the message starts with its rank and
+            ``findings`` lists every failed check.
+    """
+    for rank in sorted(payloads):
+        try:
+            validate_handshake(own_payload, payloads[rank])
+        except HandshakeError as exc:
+            err = HandshakeError(f"peer rank {rank}: {exc}")
+            err.findings = exc.findings
+            raise err from exc
+    return RankPlanner(table, payloads, mode, coalesce=coalesce)
 
 
 class RankPlanner:

@@ -172,10 +172,10 @@ class _Worker:
     def _connect(self, addresses: dict[int, str], registration: Any) -> None:
         import zmq
 
-        from .._core import handshake_target_ranks, validate_handshake
+        from .._core import handshake_target_ranks
         from ..transport import Endpoint, HandshakeError
         from ..transport.side_channel import ChannelError, fetch_meta
-        from .planning import RankPlanner
+        from .planning import validated_planner
 
         spec = self.spec
         targets = handshake_target_ranks(spec.rank, spec.tp, spec.remote_tp)
@@ -187,7 +187,7 @@ class _Worker:
         finally:
             ctx.destroy(linger=0)
         t0 = time.perf_counter()
-        self.planner = RankPlanner(self.table, payloads, spec.mode)
+        self.planner = validated_planner(self.table, self.payload, payloads, spec.mode)
         plan_setup_s = time.perf_counter() - t0
         self.ep = Endpoint(spec.name, registration, self.planner.local_tables)
         t0 = time.perf_counter()
@@ -197,9 +197,8 @@ class _Worker:
                 addresses[r],
                 lambda payload, r=r: self.planner.remote_tables(r),
                 rank=r,
-                validate=lambda payload: validate_handshake(self.payload, payload),
                 timeout_s=10.0,
-                expected_payload=payloads[r],  # the bytes the plan was built from
+                expected_payload=payloads[r],  # the bytes validated and planned from
             )
         connect_s = time.perf_counter() - t0
         self.send("connected", targets, plan_setup_s, connect_s, self.planner.table_shapes())
