@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import functools
 import multiprocessing as mp
+import os
+import secrets
 import statistics
 import struct
 import time
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     size = args.size_mib << 20
+    # Both processes share one side-channel secret (the target inherits it); HYBRID_KV_SECRET wins if set.
+    os.environ.setdefault("HYBRID_KV_SECRET", secrets.token_hex(32))
     block_sizes = [int(k) << 10 for k in args.blocks_kib.split(",")]
 
     ctx = mp.get_context("spawn")
