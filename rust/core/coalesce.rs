@@ -18,9 +18,11 @@
 //! since ids index the flat expansion in row order. Every chunk row has `len == stride`.
 //!
 //! The planner walks a group's paired local and remote units (found on the logical block ids, in
-//! `plan_runs.rs`) and, where both are consecutive and the region is dense on *both* sides, greedily
-//! covers the run with the largest chunk `2^j <= remaining` (same `j` on both sides, so pairs keep equal
-//! lengths); everything else stays one id per unit. Chunk rows
+//! `plan_runs.rs`) and, where both are consecutive and the region is dense on *both* sides, cuts each
+//! maximal run into equal chunks of the largest `2^j` dividing its length (same `j` on both sides, so pairs
+//! keep equal lengths). The chunk ids of one run are consecutive in one row on both sides, so NIXL merges
+//! them into one descriptor, as it merges the run's plain ids: never more descriptors than the reference
+//! plan. Everything else stays one id per unit. Chunk rows
 //! are added to the base local table for every dense attention region (so it depends on the local rank
 //! alone and can be prepped before any handshake: [`RegionTable::coalesced_local_table`]), to split tables
 //! for the regions dense in all of them (MLA, kept whole; head-sharded split rows are not dense), and to

@@ -163,10 +163,15 @@ fn fragmented_requests_fall_back_to_single_ids() {
         assert_eq!(c.plan_all().unwrap()[0].plan, r.plan_all().unwrap()[0].plan);
         compare(&s);
     }
-    // Mixed: a run of 5 both sides then a gap: 4 + 1 and singles.
+    // Mixed: a run of 4 both sides then a gap: one 4-unit chunk and a single per region.
+    let s = deepseek(512, &[10, 11, 12, 13, 20], &[40, 41, 42, 43, 46]);
+    let (nc, nr) = compare(&s);
+    assert_eq!((nc, nr), (61 * 2, 61 * 5));
+    // A run of odd length (5) stays five plain ids, which NIXL merges into one descriptor as it does the
+    // reference's: chunks of 4 + 1 would post two.
     let s = deepseek(512, &[10, 11, 12, 13, 14, 20], &[40, 41, 42, 43, 44, 46]);
-    let (nc, _) = compare(&s);
-    assert_eq!(nc, 61 * 3);
+    let (nc, nr) = compare(&s);
+    assert_eq!((nc, nr), (61 * 6, 61 * 6));
     // Mostly fragmented (one adjacent pair in eight units saves less than a quarter of the ids): the plain id
     // path, exactly the reference ids.
     let s = deepseek(

@@ -282,9 +282,9 @@ mod tests {
         let space = IdSpace::new(&counts, 150, 0, 1, 1, 16, 40, &region_groups, &groups);
         let slots = Slots::new(&groups, &region_groups, 0, (&space, &space), &chunks);
         assert_eq!(slots.layouts.len(), 2);
-        // Runs of 11, 9 and 2 units consecutive on both sides (chunks 8+2+1, 8+1 and 2).
+        // Runs of 12, 8 and 2 units consecutive on both sides: three 4-unit chunks, one 8 and one 2.
         let lids = vec![(0..20).chain([30, 31]).collect::<Vec<u64>>()];
-        let rids = vec![(5..16).chain(20..29).chain([35, 36]).collect::<Vec<u64>>()];
+        let rids = vec![(5..17).chain(20..28).chain([35, 36]).collect::<Vec<u64>>()];
         let w = [Window::all(22)];
         let windows = Windows {
             local: (&lids, &w, 1),
@@ -301,7 +301,8 @@ mod tests {
             usize::MAX,
             &mut runs,
         ));
-        assert_eq!(runs.len(), 6, "{runs:?}");
+        let js: Vec<u32> = runs.iter().map(|r| r.j).collect();
+        assert_eq!(js, [2, 2, 2, 3, 1], "{runs:?}");
         let (mut want_l, mut want_r) = (Vec::new(), Vec::new());
         for r in 0..3 {
             if let Some((c, _)) = &chunks[r] {

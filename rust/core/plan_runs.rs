@@ -53,8 +53,8 @@ impl<'a> UnitCursor<'a> {
 }
 
 /// Append to `out` the chunks of two equally long unit windows: every maximal run of units consecutive on
-/// both sides is covered greedily by the largest chunk of `2^j <= 2^MAX_CHUNK_LOG2` units that fits (the
-/// rest of a run continues after it), so a lone unit is a `j == 0` run.
+/// both sides is cut into equal chunks of the largest power of two dividing its length (see [`cut`]), so a
+/// lone unit, or any run of odd length, is `j == 0` runs (plain ids).
 ///
 /// Stops early, returning `false`, once `out` holds more than `limit` runs (the caller then plans the group
 /// one id per unit, and a fragmented request is not walked to its end for nothing).
@@ -117,15 +117,25 @@ fn aligned_runs(l: UnitCursor<'_>, r: UnitCursor<'_>, left: u64, limit: usize, o
     true
 }
 
-/// Cut one maximal run into power-of-two chunks, largest first; `false` once `out` holds more than `limit`.
-fn cut((mut l, mut r, mut n): (u64, u64, u64), limit: usize, out: &mut Vec<Run>) -> bool {
-    let max = 1u64 << MAX_CHUNK_LOG2;
-    while n > 0 {
-        let j = n.min(max).ilog2();
-        out.push(Run { l, r, j });
-        (l, r, n) = (l + (1 << j), r + (1 << j), n - (1 << j));
+/// Cut one maximal run of `n` units into `n / 2^j` equal chunks of `2^j` units, `j` the largest with `2^j`
+/// dividing `n` (at most [`MAX_CHUNK_LOG2`]); `false` once `out` would hold more than `limit` runs.
+///
+/// Equal chunks of one run are consecutive ids of one chunk row on both sides, which NIXL merges back into one
+/// descriptor, exactly as it merges the run's plain unit ids: a coalesced plan never posts more descriptors
+/// than the reference plan after NIXL's merge, only fewer ids. (Cutting largest-first, a run of 7 units was
+/// three ids in three rows: three descriptors where the reference posts one.)
+fn cut((l, r, n): (u64, u64, u64), limit: usize, out: &mut Vec<Run>) -> bool {
+    let j = n.trailing_zeros().min(MAX_CHUNK_LOG2);
+    let count = n >> j;
+    if (out.len() as u64).saturating_add(count) > limit as u64 {
+        return false;
     }
-    out.len() <= limit
+    out.extend((0..count).map(|i| Run {
+        l: l + (i << j),
+        r: r + (i << j),
+        j,
+    }));
+    true
 }
 
 #[cfg(test)]
@@ -134,20 +144,26 @@ mod tests {
     use crate::core::plan_ids::window_units;
     use proptest::prelude::*;
 
-    /// The definition: greedy largest chunk over the materialised unit lists.
+    /// The definition, over the materialised unit lists: every maximal run of units consecutive on both sides,
+    /// cut into equal chunks of the largest power of two (at most 2^MAX_CHUNK_LOG2) dividing its length.
     fn unit_level(l: &[u64], r: &[u64]) -> Vec<Run> {
-        let max = 1usize << MAX_CHUNK_LOG2;
         let n = l.len().min(r.len());
         let (mut out, mut i) = (Vec::new(), 0);
         while i < n {
             let (l0, r0) = (l[i], r[i]);
             let mut m = 1;
-            while m < max.min(n - i) && l[i + m] == l0 + m as u64 && r[i + m] == r0 + m as u64 {
+            while i + m < n && l[i + m] == l0 + m as u64 && r[i + m] == r0 + m as u64 {
                 m += 1;
             }
-            let j = m.ilog2();
-            out.push(Run { l: l0, r: r0, j });
-            i += 1 << j;
+            let j = m.trailing_zeros().min(MAX_CHUNK_LOG2);
+            for c in 0..(m >> j) as u64 {
+                out.push(Run {
+                    l: l0 + (c << j),
+                    r: r0 + (c << j),
+                    j,
+                });
+            }
+            i += m;
         }
         out
     }
@@ -251,18 +267,25 @@ mod tests {
     }
 
     #[test]
-    fn a_long_contiguous_run_is_cut_largest_first() {
+    fn a_long_contiguous_run_is_cut_into_equal_chunks_of_one_row() {
         let ids: Vec<u64> = (0..20).collect();
-        let mut got = Vec::new();
-        let w = Window { start: 0, len: 20 * 8 };
-        assert!(chunk_runs(
-            UnitCursor::new(&ids, 8, w),
-            UnitCursor::new(&ids, 8, w),
-            usize::MAX,
-            &mut got
-        ));
-        let js: Vec<u32> = got.iter().map(|r| r.j).collect();
-        assert_eq!(js, [6, 6, 5]);
-        assert_eq!((got[2].l, got[2].r), (128, 128));
+        let cut_of = |units: u64| {
+            let mut got = Vec::new();
+            let w = Window { start: 0, len: units };
+            assert!(chunk_runs(
+                UnitCursor::new(&ids, 8, w),
+                UnitCursor::new(&ids, 8, w),
+                usize::MAX,
+                &mut got
+            ));
+            got
+        };
+        // 160 units = 5 x 32: five consecutive ids of the 32-unit row (one descriptor once NIXL merges them).
+        let got = cut_of(160);
+        assert_eq!(got.iter().map(|r| r.j).collect::<Vec<_>>(), [5; 5]);
+        assert_eq!((got[4].l, got[4].r), (128, 128));
+        // 128 units: two 64-unit chunks; 7 units: seven plain ids (the reference's one merged descriptor).
+        assert_eq!(cut_of(128).iter().map(|r| r.j).collect::<Vec<_>>(), [6, 6]);
+        assert_eq!(cut_of(7).iter().map(|r| r.j).collect::<Vec<_>>(), [0; 7]);
     }
 }

@@ -190,17 +190,22 @@ fn f2_example_descriptor_ids() {
     }
     assert_eq!(t.local_ids, want);
     assert_eq!(t.remote_ids, want);
-    // Coalesced: each MLA run 3,4,5 is a 2-unit chunk then unit 5; SSM ids unchanged.
+    // Coalesced: each MLA run 3, 4, 5 has odd length, so it keeps its plain ids (NIXL merges them into one
+    // descriptor either way); a two-block request makes each run 6 units: three 2-unit chunk ids.
     let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![1], vec![2], vec![3]], &[vec![1], vec![2], vec![3]]);
+    let (c, _) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
+    assert_eq!(c.transfers[0].local_ids, want);
+    let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![1, 2], vec![3], vec![0]], &[vec![1, 2], vec![3], vec![0]]);
     let (c, peer) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
     let t = &c.transfers[0];
-    assert_eq!((t.local_ids[1], t.local_ids[3], &t.local_ids[4..]), (5, 17, &want[6..]));
     assert!(
-        t.local_ids[0] >= 56 && t.local_ids[2] >= 56,
-        "chunk ids follow the SSM rows"
+        t.local_ids[..6].iter().all(|&i| i >= 56),
+        "chunk ids follow the SSM rows: {:?}",
+        t.local_ids
     );
     let whole = peer.local_table(TableKey::Whole).unwrap();
     assert_eq!(whole.desc(t.local_ids[0] as u64), Some((T0 + 3 * 48, 96)));
+    assert_eq!(whole.desc(t.local_ids[2] as u64), Some((T0 + 7 * 48, 96)));
     assert_eq!(t.local_ids, t.remote_ids);
 }
 
@@ -365,7 +370,8 @@ fn f5_push_prefix_end_trim() {
         TransferMode::Push,
         (&[vec![10, 11, 12]], &[vec![500, 501, 502]]),
     );
-    assert_eq!(c.transfers[0].local_ids.len(), 2);
+    // An odd run: three plain ids (one descriptor once NIXL merges them, as the reference's).
+    assert_eq!(c.transfers[0].local_ids.len(), 3);
 }
 
 /// F.8 descriptor-id vectors through a plan: per-region group routing and per-region capacities.
