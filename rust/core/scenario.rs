@@ -15,6 +15,7 @@ use super::meta::{AgentMeta, EngineInfo, TransferMode};
 use super::plan::{PeerPlan, Plan};
 use super::plan_error::PlanError;
 use super::region::RegionTable;
+use super::scenario_bounds::check_bounds;
 use super::spec::{AttentionSpec, LayerSpec, MambaKind, MlaSpec, SsmSpec};
 use super::tp::handshake_target_ranks;
 
@@ -142,6 +143,16 @@ pub enum ScenarioError {
     /// A value the scenario format forbids.
     #[error("scenario: {0}")]
     Invalid(String),
+    /// A count or size over its bound (see `scenario_bounds`), refused before it sizes anything.
+    #[error("scenario: {field} is {value}, over the limit of {limit}")]
+    OverLimit {
+        /// The field (a JSON path, with what was counted).
+        field: String,
+        /// Its value.
+        value: u64,
+        /// The largest accepted value.
+        limit: u64,
+    },
     /// A rank's layout is invalid.
     #[error("{side} rank {rank}: {source}")]
     Layout {
@@ -198,12 +209,15 @@ pub struct RankPlan {
 }
 
 impl Scenario {
-    /// Parse a scenario from JSON.
+    /// Parse a scenario from JSON and check its bounds ([`check_bounds`]).
     ///
     /// # Errors
-    /// `Json` with serde's message (line and column) for malformed JSON, unknown fields or wrong types.
+    /// `Json` with serde's message (line and column) for malformed JSON, unknown fields or wrong types;
+    /// `OverLimit` or `Invalid` naming a field over its bound or zero.
     pub fn from_json(text: &str) -> Result<Scenario, ScenarioError> {
-        serde_json::from_str(text).map_err(|e| ScenarioError::Json(e.to_string()))
+        let s: Scenario = serde_json::from_str(text).map_err(|e| ScenarioError::Json(e.to_string()))?;
+        check_bounds(&s)?;
+        Ok(s)
     }
 }
 
@@ -409,9 +423,6 @@ fn build_engine(
     side: &'static str,
     origin: u64,
 ) -> Result<Vec<RankState>, ScenarioError> {
-    if engine.tp_size == 0 {
-        return Err(invalid(format!("{side} tp_size must be positive")));
-    }
     let info = EngineInfo {
         engine_id: side.into(),
         transfer_mode: s.mode,
@@ -437,8 +448,9 @@ fn build_engine(
 /// `(prefill, decode)`, each indexed by TP rank.
 ///
 /// # Errors
-/// `Invalid` for values the format forbids, `Layout` for a rank that cannot be laid out.
+/// `OverLimit` or `Invalid` for values the format forbids, `Layout` for a rank that cannot be laid out.
 pub fn build_engines(s: &Scenario) -> Result<(Vec<RankState>, Vec<RankState>), ScenarioError> {
+    check_bounds(s)?; // again: `s` may not come from `from_json`
     if s.model.groups.is_empty() || s.model.tensors.is_empty() {
         return Err(invalid("the model needs at least one group and one tensor".into()));
     }
