@@ -213,7 +213,8 @@ impl LayerSpec {
     ///
     /// # Errors
     /// `BadSsmSpec` for an inconsistent SSM spec, `StateLargerThanPage` for an SSM page smaller than its
-    /// state, `Zero`/`AddressOverflow` for degenerate attention sizes.
+    /// state, `Zero` naming an attention field that is 0 (`head_size_v` too, when given), `AddressOverflow`
+    /// for a page over 64 bits.
     pub fn page_bytes(&self, block_size: u64, layer: &str) -> Result<u64, LayoutError> {
         let overflow = || LayoutError::AddressOverflow {
             what: format!("page size of {layer}"),
@@ -231,6 +232,12 @@ impl LayerSpec {
         };
         match self {
             LayerSpec::FullAttention(a) | LayerSpec::SlidingWindow(a) => {
+                positive(a.num_kv_heads, "num_kv_heads")?;
+                positive(a.head_size, "head_size")?;
+                if let Some(v) = a.head_size_v {
+                    positive(v, "head_size_v")?;
+                }
+                positive(a.dtype_bytes, "dtype_bytes")?;
                 if let Some(p) = a.page_size_padded {
                     return positive(p, "page_size_padded");
                 }
@@ -246,6 +253,8 @@ impl LayerSpec {
                 positive(page, "page size")
             }
             LayerSpec::Mla(m) | LayerSpec::SlidingWindowMla(m) => {
+                positive(m.head_size, "head_size")?;
+                positive(m.dtype_bytes, "dtype_bytes")?;
                 if let Some(p) = m.page_size_padded {
                     return positive(p, "page_size_padded");
                 }
@@ -341,6 +350,38 @@ mod tests {
                 page: 100
             }
         );
+    }
+
+    #[test]
+    fn zero_attention_fields_are_named() {
+        let fa = |heads, k, v, dtype| {
+            LayerSpec::FullAttention(AttentionSpec {
+                num_kv_heads: heads,
+                head_size: k,
+                head_size_v: v,
+                dtype_bytes: dtype,
+                page_size_padded: Some(64),
+            })
+        };
+        let mla = |k, dtype| {
+            LayerSpec::Mla(MlaSpec {
+                head_size: k,
+                dtype_bytes: dtype,
+                page_size_padded: None,
+            })
+        };
+        for (spec, field) in [
+            (fa(0, 4, None, 2), "num_kv_heads"),
+            (fa(2, 0, None, 2), "head_size"),
+            (fa(2, 4, Some(0), 2), "head_size_v"),
+            (fa(2, 4, Some(4), 0), "dtype_bytes"),
+            (mla(0, 2), "head_size"),
+            (mla(6, 0), "dtype_bytes"),
+        ] {
+            let err = spec.page_bytes(16, "l.0").unwrap_err().to_string();
+            assert_eq!(err, format!("{field} of layer l.0 must be positive, got 0"));
+        }
+        assert_eq!(fa(2, 4, Some(4), 2).page_bytes(16, "l.0").unwrap(), 64);
     }
 
     #[test]
