@@ -4,42 +4,164 @@
 //! was most of a long request's planning time, so exact-`int` list items take a direct path (two FFI calls
 //! per id, no reference counting). Anything else (int subclasses, numpy integers, tuples, arrays) takes the
 //! generic path, which may run Python code (`__index__`).
+//!
+//! Ids are untrusted: the groups and each group must be sequences (sets, dicts, iterators, generators,
+//! strings and scalars are refused: their order is not the request's or they are not ids at all), an id
+//! must be an integer (not a bool or a float) in `[0, 2**63)`, and a sequence may not list more than a
+//! bounded number of items (a `range` or a numpy broadcast view claims billions without holding them), so
+//! reading never allocates more than the bound. Every error names the side, the group and the value.
 
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::errors::PlanError;
+use crate::core::scenario_bounds::MAX_GROUPS;
 
-/// Block ids per group from a sequence of sequences of ints; a negative id is a `PlanError` naming it.
+/// Most block ids one group of one request may list (16M blocks: far more than any pool's contexts need).
+pub const MAX_IDS_PER_GROUP: usize = 1 << 24;
+
+/// Longest rendering of a bad value in an error message.
+const SHOWN_CHARS: usize = 60;
+
+/// Block ids per group from a sequence of sequences of ints.
+///
+/// # Errors
+/// `TypeError` naming the value when `ids` or a group is not a sequence, or an id is not an integer;
+/// `PlanError` naming the id when it is negative or not below 2**63, or naming the count when `ids` lists
+/// more than [`MAX_GROUPS`] groups or a group more than [`MAX_IDS_PER_GROUP`] ids.
 pub fn block_ids(ids: &Bound<'_, PyAny>, side: &str) -> PyResult<Vec<Vec<u64>>> {
     let groups: Vec<Bound<'_, PyAny>> = match ids.cast::<PyList>() {
-        Ok(list) => list.iter().collect(),
-        Err(_) => ids.try_iter()?.collect::<PyResult<_>>()?,
+        Ok(list) => {
+            bounded(list.len(), MAX_GROUPS, || format!("{side} ids list"), "groups")?;
+            list.iter().collect()
+        }
+        Err(_) => items(ids, MAX_GROUPS, || format!("{side} ids"), "groups")?,
     };
     groups
         .iter()
         .enumerate()
         .map(|(g, group)| {
-            let negative = |b: i64| {
-                PlanError::new_err(format!(
-                    "{side} block id {b} of group {g} is out of range: block ids are non-negative"
-                ))
-            };
+            let negative = |b: i64| out_of_range(side, g, &b.to_string());
             let mut out = Vec::new();
+            let what = || format!("{side} ids: group {g}");
             let rest: Vec<Bound<'_, PyAny>> = match group.cast::<PyList>() {
                 Ok(list) => {
+                    bounded(list.len(), MAX_IDS_PER_GROUP, what, "block ids")?;
                     let read = exact_ints(list, &mut out).map_err(negative)?;
                     list.iter().skip(read).collect()
                 }
-                Err(_) => group.try_iter()?.collect::<PyResult<_>>()?,
+                Err(_) => items(group, MAX_IDS_PER_GROUP, what, "block ids")?,
             };
+            out.reserve(rest.len());
             for item in rest {
-                let b: i64 = item.extract()?;
-                out.push(u64::try_from(b).map_err(|_| negative(b))?);
+                out.push(block_id(&item, side, g)?);
             }
             Ok(out)
         })
         .collect()
+}
+
+/// `PlanError` when a sequence of `len` items is longer than `limit`.
+fn bounded(len: usize, limit: usize, what: impl FnOnce() -> String, items: &str) -> PyResult<()> {
+    if len > limit {
+        return Err(PlanError::new_err(format!(
+            "{} lists {len} {items}, over the limit of {limit}",
+            what()
+        )));
+    }
+    Ok(())
+}
+
+/// The items of `seq`, which must be a sequence of at most `limit` items.
+///
+/// A sequence here has a length and item access and is not a string, bytes or a mapping: sets, dicts,
+/// iterators, generators and scalars are refused (`TypeError` naming the value). At most `limit + 1` items
+/// are read whatever the object's `__len__` claims.
+fn items<'py>(
+    seq: &Bound<'py, PyAny>,
+    limit: usize,
+    what: impl Fn() -> String,
+    items: &str,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let textual = seq.is_instance_of::<PyString>() || seq.is_instance_of::<PyBytes>();
+    let refused = textual || seq.is_instance_of::<PyByteArray>() || seq.is_instance_of::<PyDict>();
+    let sized = !refused && (seq.is_instance_of::<PyTuple>() || seq.hasattr("__getitem__")?);
+    let len = if sized { seq.len().ok() } else { None };
+    let Some(len) = len else {
+        let must = if items == "groups" {
+            "must be a sequence of groups"
+        } else {
+            "must be a sequence of block ids"
+        };
+        return Err(PyTypeError::new_err(format!("{} {must}, got {}", what(), typed(seq))));
+    };
+    bounded(len, limit, &what, items)?;
+    let out: Vec<Bound<'py, PyAny>> = seq.try_iter()?.take(limit + 1).collect::<PyResult<_>>()?;
+    bounded(out.len(), limit, what, items)?;
+    Ok(out)
+}
+
+/// One id from the generic path: an integer (not a bool) in `[0, 2**63)`.
+fn block_id(item: &Bound<'_, PyAny>, side: &str, g: usize) -> PyResult<u64> {
+    let not_integer = || {
+        PyTypeError::new_err(format!(
+            "{side} block id {} ({}) of group {g} is not an integer",
+            shown(item),
+            type_name(item)
+        ))
+    };
+    if item.is_instance_of::<PyBool>() {
+        return Err(not_integer());
+    }
+    match item.extract::<i64>() {
+        Ok(b) => u64::try_from(b).map_err(|_| out_of_range(side, g, &b.to_string())),
+        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => Err(out_of_range(side, g, &shown(item))),
+        Err(_) => Err(not_integer()),
+    }
+}
+
+/// `PlanError` for an id outside `[0, 2**63)`.
+fn out_of_range(side: &str, g: usize, id: &str) -> PyErr {
+    PlanError::new_err(format!(
+        "{side} block id {id} of group {g} is out of range: block ids are below 2**63 and non-negative"
+    ))
+}
+
+/// The value as an error message shows it: `str()` (`repr()` for strings), cut to [`SHOWN_CHARS`]; a long
+/// container is shown by its length, and a value that cannot be rendered by its type.
+fn shown(v: &Bound<'_, PyAny>) -> String {
+    if !v.is_instance_of::<PyString>() {
+        if let Ok(n) = v.len() {
+            if n > SHOWN_CHARS / 4 {
+                return format!("of {n} items");
+            }
+        }
+    }
+    let text = if v.is_instance_of::<PyString>() {
+        v.repr()
+    } else {
+        v.str()
+    };
+    let Ok(text) = text else {
+        return format!("<{}>", type_name(v));
+    };
+    let text = text.to_string_lossy();
+    match text.char_indices().nth(SHOWN_CHARS) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text.into_owned(),
+    }
+}
+
+/// `type value`, e.g. `set {1, 2}`.
+fn typed(v: &Bound<'_, PyAny>) -> String {
+    format!("{} {}", type_name(v), shown(v))
+}
+
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "object".into(), |n| n.to_string_lossy().into_owned())
 }
 
 /// Push the leading items of `list` that are exact Python ints fitting in `i64` onto `out` and return how
