@@ -84,8 +84,14 @@ def test_incompatible_deployment_is_a_report_with_reasons(capsys: pytest.Capture
     [
         (["--preset", "llama-7b", "--prefill-tp", "1", "--decode-tp", "1"], "unknown preset 'llama-7b'"),
         (["--preset", "deepseek-v3", "--prefill-tp", "1"], "--preset needs --prefill-tp and --decode-tp"),
-        (["--preset", "deepseek-v3", "--prefill-tp", "0", "--decode-tp", "1"], "prefill TP size must be positive"),
-        (["--preset", "deepseek-v3", "--prefill-tp", "1", "--decode-tp", "1", "--tokens", "0"], "must be positive"),
+        (
+            ["--preset", "deepseek-v3", "--prefill-tp", "0", "--decode-tp", "1"],
+            "argument --prefill-tp: must be an integer in [1, 1024], got 0",
+        ),
+        (
+            ["--preset", "deepseek-v3", "--prefill-tp", "1", "--decode-tp", "1", "--tokens", "0"],
+            "argument --tokens: must be an integer in [1, 16777216], got 0",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

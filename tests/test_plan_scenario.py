@@ -77,3 +77,24 @@ def test_cli_plan_reports_errors_in_one_line(tmp_path: Path, capsys: pytest.Capt
     assert main(["plan", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybrid-kv plan: error: scenario JSON:") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit_name"),
+    [
+        ("tp_size", 1025, "MAX_TP_SIZE"),
+        ("num_blocks", 2**31, "MAX_NUM_BLOCKS"),
+        ("kernel_block_size", 2**20 + 1, "MAX_BLOCK_TOKENS"),
+    ],
+)
+def test_cli_limits_mirror_the_scenario_parser(field: str, value: int, limit_name: str) -> None:
+    """The CLI's bounds (``cli/_args.py``) are the parser's (``rust/core``): one value over, the same limit named."""
+    from hybrid_kv.cli import _args
+
+    s = json.loads((ROOT / "tests/data/scenarios/hybrid_mla_f2.json").read_text())
+    s["decode"][field] = value
+    with pytest.raises(PlanError) as e:
+        plan_scenario(json.dumps(s))
+    limit = getattr(_args, limit_name)
+    assert str(e.value) == f"scenario: decode.{field} is {value}, over the limit of {limit}"
+    assert value == limit + 1

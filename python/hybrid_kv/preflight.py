@@ -30,6 +30,10 @@ SMALL_DESCRIPTOR_BYTES = 64 * 1024
 MANY_DESCRIPTORS = 100_000
 DEFAULT_KV_GIB = 40.0
 TINY_KV_GIB = 0.25
+MAX_TOKENS = 2**24
+"""Longest request costed (16M tokens): its block ids are listed per group."""
+MAX_KV_GIB = 16384.0
+"""Most KV-cache memory per rank (16 TiB), which sizes the pools."""
 
 
 @dataclass
@@ -99,26 +103,19 @@ def preflight(
     decode_block_size: int | None = None,
     coalesce: bool = True,
 ) -> Report:
-    """Build the report. Bad arguments (unknown preset, non-positive sizes) raise ``HybridKvError``;
-    an incompatible deployment is a report with ``compatible=False`` and its reasons. ``coalesce=False``
-    costs the reference plans (no chunk rows, one descriptor per kernel unit; what nixl < 1.5 users run)."""
+    """Build the report. Bad arguments (unknown preset, sizes out of their bounds) raise ``HybridKvError``
+    naming the value and the bound; an incompatible deployment is a report with ``compatible=False`` and its
+    reasons. ``coalesce=False`` costs the reference plans (no chunk rows, one descriptor per kernel unit; what
+    nixl < 1.5 users run)."""
     from ._core import handshake_target_ranks
     from .demo.planning import RankPlanner
 
     preset = get_preset(preset_name)
     if mode not in ("pull", "push"):
         raise LayoutError(f"mode must be 'pull' or 'push', got {mode!r}")
-    if tokens < 1:
-        raise LayoutError(f"request length must be positive, got {tokens}")
-    if num_blocks is not None and num_blocks < 1:
-        raise LayoutError(f"number of blocks must be positive, got {num_blocks}")
     if kv_gib is None:
         kv_gib = TINY_KV_GIB if preset.tiny_of else DEFAULT_KV_GIB
-    if kv_gib <= 0:
-        raise LayoutError(f"KV memory per rank must be positive, got {kv_gib} GiB")
-    for tp, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
-        if tp < 1:
-            raise LayoutError(f"{side} TP size must be positive, got {tp}")
+    _check_bounds(tokens, kv_gib, num_blocks, prefill_tp, decode_tp, prefill_block_size, decode_block_size)
     report = Report(preset.name, preset.description, preset.source, mode, tokens, {}, {})
     kb = {"prefill": prefill_block_size, "decode": decode_block_size}
     tps = {"prefill": prefill_tp, "decode": decode_tp}
@@ -144,6 +141,7 @@ def preflight(
             report.reasons.append(f"{side}: {exc}")
             continue
         n = num_blocks or pool_blocks(preset, tp, kv_gib, kb[side])
+        _check_kernel_blocks(side, n, geo.ppl, num_blocks is None)
         getattr(report, side).update(tp=tp, num_blocks=n, tensors=preset.num_tensors, **geo.to_dict())
         tables[side] = [build_region_table(preset.rank_layout(tp, r, n, kernel_block_size=kb[side])) for r in range(tp)]
         info = json.dumps(preset.engine_info(side, mode))
@@ -206,6 +204,51 @@ def preflight(
     return report
 
 
+def _check_bounds(
+    tokens: int,
+    kv_gib: float,
+    num_blocks: int | None,
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_block_size: int | None,
+    decode_block_size: int | None,
+) -> None:
+    """``LayoutError`` naming the first argument outside its bound (before any of them sizes anything)."""
+    from .cli._args import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE
+
+    ints = [
+        ("request length (tokens)", tokens, MAX_TOKENS),
+        ("number of blocks", num_blocks, MAX_NUM_BLOCKS),
+        ("prefill TP size", prefill_tp, MAX_TP_SIZE),
+        ("decode TP size", decode_tp, MAX_TP_SIZE),
+        ("prefill kernel block size", prefill_block_size, MAX_BLOCK_TOKENS),
+        ("decode kernel block size", decode_block_size, MAX_BLOCK_TOKENS),
+    ]
+    for what, value, high in ints:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LayoutError(f"{what} must be an integer, got {value!r}")
+        if value < 1:
+            raise LayoutError(f"{what} must be positive, got {value}")
+        if value > high:
+            raise LayoutError(f"{what} is {value}, over the limit of {high}")
+    if not (math.isfinite(kv_gib) and 0 < kv_gib <= MAX_KV_GIB):
+        raise LayoutError(f"KV memory per rank must be a finite number in (0, {MAX_KV_GIB:g}] GiB, got {kv_gib} GiB")
+
+
+def _check_kernel_blocks(side: str, blocks: int, ppl: int, from_kv_gib: bool) -> None:
+    """``LayoutError`` when a pool of ``blocks`` logical blocks has more kernel blocks than int32 ids address."""
+    from .cli._args import MAX_NUM_BLOCKS
+
+    if blocks * ppl > MAX_NUM_BLOCKS:
+        given = "--kv-gib" if from_kv_gib else "--num-blocks"
+        raise LayoutError(
+            f"{side} pool of {blocks} logical blocks x {ppl} kernel blocks is {blocks * ppl} kernel blocks, over the "
+            f"limit of {MAX_NUM_BLOCKS} (descriptor ids are int32); lower {given}"
+        )
+
+
 def _warnings(report: Report, active: str) -> list[str]:
     out = []
     for rr in report.ranks:
@@ -237,24 +280,49 @@ PRESET_EXAMPLES = """preset pre-flight examples:
 
 
 def add_preset_arguments(p: Any) -> None:
-    """The ``--preset`` options of ``hybrid-kv check`` (a pre-flight report instead of a scenario file)."""
+    """The ``--preset`` options of ``hybrid-kv check`` (a pre-flight report instead of a scenario file); every
+    number is bounded while parsing (see :mod:`hybrid_kv.cli._args`)."""
+    from .cli._args import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE, positive_float, positive_int
     from .presets import preset_names
 
+    tp, blocks, kernel = positive_int(MAX_TP_SIZE), positive_int(MAX_NUM_BLOCKS), positive_int(MAX_BLOCK_TOKENS)
     g = p.add_argument_group("preset pre-flight (instead of a scenario file)")
     g.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(preset_names())}")
-    g.add_argument("--prefill-tp", type=int, metavar="N", help="prefill TP size (with --preset)")
-    g.add_argument("--decode-tp", type=int, metavar="M", help="decode TP size (with --preset)")
+    g.add_argument("--prefill-tp", type=tp, metavar="N", help=f"prefill TP size, 1-{MAX_TP_SIZE} (with --preset)")
+    g.add_argument("--decode-tp", type=tp, metavar="M", help=f"decode TP size, 1-{MAX_TP_SIZE} (with --preset)")
     g.add_argument("--mode", choices=("pull", "push"), default="pull", help="who posts transfers (default pull)")
-    g.add_argument("--tokens", type=int, default=32768, metavar="L", help="request length to cost (default 32768)")
+    g.add_argument(
+        "--tokens",
+        type=positive_int(MAX_TOKENS),
+        default=32768,
+        metavar="L",
+        help=f"request length to cost, 1-{MAX_TOKENS} (default 32768)",
+    )
     g.add_argument(
         "--kv-gib",
-        type=float,
+        type=positive_float(MAX_KV_GIB),
         metavar="G",
-        help=f"KV-cache GiB per rank, sizing the pools (default {DEFAULT_KV_GIB:g}; {TINY_KV_GIB:g} for tiny presets)",
+        help=f"KV-cache GiB per rank, sizing the pools, at most {MAX_KV_GIB:g} (default {DEFAULT_KV_GIB:g}; "
+        f"{TINY_KV_GIB:g} for tiny presets)",
     )
-    g.add_argument("--num-blocks", type=int, metavar="N", help="logical blocks per pool (overrides --kv-gib)")
-    g.add_argument("--prefill-block-size", type=int, metavar="K", help="prefill kernel block (default: preset's)")
-    g.add_argument("--decode-block-size", type=int, metavar="K", help="decode kernel block (default: preset's)")
+    g.add_argument(
+        "--num-blocks",
+        type=blocks,
+        metavar="N",
+        help=f"logical blocks per pool, 1-{MAX_NUM_BLOCKS} (overrides --kv-gib)",
+    )
+    g.add_argument(
+        "--prefill-block-size",
+        type=kernel,
+        metavar="K",
+        help=f"prefill kernel block, 1-{MAX_BLOCK_TOKENS} (default: preset's)",
+    )
+    g.add_argument(
+        "--decode-block-size",
+        type=kernel,
+        metavar="K",
+        help=f"decode kernel block, 1-{MAX_BLOCK_TOKENS} (default: preset's)",
+    )
     g.add_argument(
         "--no-coalesce",
         action="store_true",

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from .._core import HybridKvError
+from ._args import ArgumentError, OneLineParser
 
 EPILOG = """examples:
   hybrid-kv demo                         run the default P/D demo and verify every byte
@@ -28,9 +29,15 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+def one_line(message: str) -> str:
+    """A multi-line error (a handshake error lists one finding per line) as one line: ``head: a; b``."""
+    head, *rest = [line.strip() for line in message.splitlines() if line.strip()] or [""]
+    return f"{head} {'; '.join(rest)}" if rest else head
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command module."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hybrid-kv",
         description="Plan and run KV-cache transfers between prefill and decode for hybrid MLA+SSM models.",
         epilog=EPILOG,
@@ -50,11 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hybrid-kv``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return 2
     try:
         status: int = args.func(args)
     except (HybridKvError, CliError, OSError, json.JSONDecodeError) as e:
-        print(f"hybrid-kv {args.command}: error: {e}", file=sys.stderr)
+        print(f"hybrid-kv {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hybrid-kv {args.command}: interrupted", file=sys.stderr)

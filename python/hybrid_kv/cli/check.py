@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 from ..preflight import PRESET_EXAMPLES, add_preset_arguments, run_preset
 from . import CliError
 from ._console import console as make_console
+from ._input import read_scenario
 
 EXAMPLES = (
     """scenario examples:
@@ -30,12 +29,6 @@ EXAMPLES = (
 Exit status: 0 compatible; 1 the deployment is incompatible (the report says why); 2 bad arguments or an
 unreadable / malformed scenario file (one line on stderr)."""
 )
-
-
-def _read(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    return Path(path).read_text(encoding="utf-8")
 
 
 def _finding_line(f: dict[str, str]) -> str:
@@ -96,7 +89,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     """
     from .._core import check_scenario
 
-    report: dict[str, Any] = json.loads(check_scenario(_read(args.scenario)))
+    report: dict[str, Any] = json.loads(check_scenario(read_scenario(args.scenario)))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

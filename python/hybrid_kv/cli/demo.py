@@ -9,7 +9,23 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from . import CliError
+from ._args import MAX_BLOCK_TOKENS, int_in, positive_float, positive_int
 from ._console import console as make_console
+
+MAX_DEMO_TP = 16
+"""Largest TP size per engine: the demo starts one process per rank, each with its own torch pools."""
+MAX_DEMO_REQUESTS = 1024
+"""Most requests in the batch."""
+MAX_DEMO_BATCH_TOKENS = 2**20
+"""Most tokens in the batch (requests x longest request): every rank's pools hold all of them, about 5 KiB per
+token per rank for the tiny presets."""
+MAX_DEMO_NUM_BLOCKS = 2**17
+"""Most logical blocks per pool (at most 16 KiB per block over a tiny preset's tensors: 2 GiB per rank)."""
+MAX_TIMEOUT_S = 86400.0
+"""Longest bound on a wait (one day)."""
+MAX_SEED = 2**63 - 1
+"""Largest content seed."""
 
 EXAMPLES = """examples:
   hybrid-kv demo                                     tiny Kimi-Linear, prefill TP 2 -> decode TP 1, pull
@@ -47,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from ..demo import DemoConfig, run_demo
     from ..presets import get_preset
 
+    if args.requests * args.tokens > MAX_DEMO_BATCH_TOKENS:
+        raise CliError(
+            f"--requests {args.requests} x --tokens {args.tokens} is {args.requests * args.tokens} tokens, over the "
+            f"limit of {MAX_DEMO_BATCH_TOKENS} per batch"
+        )
     cfg = DemoConfig(
         preset=args.preset,
         prefill_tp=args.prefill_tp,
@@ -162,18 +183,52 @@ def register(sub: Any) -> None:
         metavar="NAME",
         help=f"model preset (default tiny-kimi-linear); one of: {', '.join(preset_names())}",
     )
-    p.add_argument("--prefill-tp", type=int, default=2, metavar="N", help="prefill TP size (default 2)")
-    p.add_argument("--decode-tp", type=int, default=1, metavar="M", help="decode TP size (default 1)")
-    p.add_argument("--mode", choices=("pull", "push"), default="pull", help="who posts transfers (default pull)")
-    p.add_argument("--requests", type=int, default=16, metavar="N", help="requests in the batch (default 16)")
+    tp, kernel = positive_int(MAX_DEMO_TP), positive_int(MAX_BLOCK_TOKENS)
     p.add_argument(
-        "--tokens", type=int, default=4000, metavar="L", help="longest request; others down to L/2 (default 4000)"
+        "--prefill-tp", type=tp, default=2, metavar="N", help=f"prefill TP size, 1-{MAX_DEMO_TP} (default 2)"
     )
-    p.add_argument("--prefill-block-size", type=int, metavar="K", help="prefill kernel block (default: the preset's)")
-    p.add_argument("--decode-block-size", type=int, metavar="K", help="decode kernel block (default: the preset's)")
-    p.add_argument("--num-blocks", type=int, metavar="N", help="logical blocks per pool (default: batch + 25%%)")
-    p.add_argument("--seed", type=int, default=0, help="content seed (default 0)")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="bound on every wait (default 120 s)")
+    p.add_argument("--decode-tp", type=tp, default=1, metavar="M", help=f"decode TP size, 1-{MAX_DEMO_TP} (default 1)")
+    p.add_argument("--mode", choices=("pull", "push"), default="pull", help="who posts transfers (default pull)")
+    p.add_argument(
+        "--requests",
+        type=positive_int(MAX_DEMO_REQUESTS),
+        default=16,
+        metavar="N",
+        help=f"requests in the batch, 1-{MAX_DEMO_REQUESTS} (default 16)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=positive_int(MAX_DEMO_BATCH_TOKENS),
+        default=4000,
+        metavar="L",
+        help=f"longest request; others down to L/2 (default 4000; requests x L at most {MAX_DEMO_BATCH_TOKENS})",
+    )
+    p.add_argument(
+        "--prefill-block-size",
+        type=kernel,
+        metavar="K",
+        help=f"prefill kernel block, 1-{MAX_BLOCK_TOKENS} (default: the preset's)",
+    )
+    p.add_argument(
+        "--decode-block-size",
+        type=kernel,
+        metavar="K",
+        help=f"decode kernel block, 1-{MAX_BLOCK_TOKENS} (default: the preset's)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=positive_int(MAX_DEMO_NUM_BLOCKS),
+        metavar="N",
+        help=f"logical blocks per pool, 1-{MAX_DEMO_NUM_BLOCKS} (default: batch + 25%%)",
+    )
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help=f"content seed, 0-{MAX_SEED} (default 0)")
+    p.add_argument(
+        "--timeout",
+        type=positive_float(MAX_TIMEOUT_S),
+        default=120.0,
+        metavar="S",
+        help=f"bound on every wait, in (0, {MAX_TIMEOUT_S:g}] s (default 120 s)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests: verification must fail
     p.set_defaults(func=run)

@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from .._core import plan_scenario
 from ._console import console as make_console
-
-
-def _read(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    return Path(path).read_text(encoding="utf-8")
+from ._input import read_scenario
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan the scenario and print the transfers (a table, or JSON with ``--json``)."""
-    report: dict[str, Any] = json.loads(plan_scenario(_read(args.scenario), moves=args.json and not args.no_moves))
+    report: dict[str, Any] = json.loads(
+        plan_scenario(read_scenario(args.scenario), moves=args.json and not args.no_moves)
+    )
     if args.json:
         print(json.dumps(report, indent=None if args.compact else 2))
         return 0

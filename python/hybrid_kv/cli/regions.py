@@ -10,7 +10,11 @@ from rich.table import Table
 
 from ..fixtures import F2_PAGE, f2_geometry, f2_sharers
 from ..layout import Spec
+from ._args import positive_int
 from ._console import console as make_console
+
+MAX_REGIONS = 4096
+"""Most shared tensors (one small torch tensor and one table region each)."""
 
 
 def tiny_kimi_layers(num_regions: int) -> tuple[list[tuple[str, int, Spec, Any]], dict[str, int]]:
@@ -76,6 +80,12 @@ def register(sub: Any) -> None:
         description="Allocate a tiny Kimi-Linear-shaped HMA pool (MLA + KDA layers sharing tensors) as torch "
         "CPU tensors, build its region table in Rust and print it.",
     )
-    p.add_argument("--regions", type=int, default=2, help="number of shared tensors (default 2)")
+    p.add_argument(
+        "--regions",
+        type=positive_int(MAX_REGIONS),
+        default=2,
+        metavar="N",
+        help=f"number of shared tensors, 1-{MAX_REGIONS} (default 2)",
+    )
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=run)
