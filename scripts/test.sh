@@ -8,4 +8,9 @@ cargo test --quiet
 echo "[hybrid-kv] cargo test --benches (each bench runs once, unmeasured)" >&2
 cargo test --benches --quiet
 echo "[hybrid-kv] pytest" >&2
-exec python -m pytest -q "$@"
+python -m pytest -q "$@"
+if [ "${HYBRID_KV_SKIP_VLLM:-}" != "1" ]; then  # the vLLM connector tests, in their own venv (vLLM pins torch)
+    . "$HKV_ROOT/scripts/vllm-env.sh"
+    echo "[hybrid-kv] pytest tests/integrations (vLLM connector, vLLM venv)" >&2
+    exec "$HYBRID_KV_VLLM_VENV/bin/python" -m pytest -q tests/integrations
+fi

@@ -1,0 +1,1 @@
+"""Integrations of hybrid-kv into serving engines (each an optional extra: ``hybrid-kv[vllm]``)."""

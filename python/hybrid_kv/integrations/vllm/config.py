@@ -1,0 +1,141 @@
+"""The connector's settings: ``kv_connector_extra_config`` first, then ``HYBRID_KV_*`` env vars, then defaults.
+
+Every setting is listed in ``SETTINGS`` (the README's table is this list). Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SETTINGS", "ConnectorConfig", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A connector setting is missing, malformed or unsafe (e.g. advertising ``0.0.0.0`` to peers)."""
+
+
+# key -> (env var, default, meaning)
+SETTINGS: dict[str, tuple[str, Any, str]] = {
+    "mode": ("HYBRID_KV_MODE", "pull", "`pull` (decode READs from prefill) or `push` (prefill WRITEs into decode)"),
+    "side_channel_host": (
+        "HYBRID_KV_SIDE_CHANNEL_HOST",
+        "127.0.0.1",
+        "IPv4 address each worker's side channel binds (UCX is restricted to the interface owning it)",
+    ),
+    "side_channel_port": (
+        "HYBRID_KV_SIDE_CHANNEL_PORT",
+        5600,
+        "base port; worker `tp_rank` of data-parallel rank `dp` listens on `port + dp * tp_size + tp_rank`",
+    ),
+    "advertise_host": (
+        "HYBRID_KV_ADVERTISE_HOST",
+        None,
+        "address handed to peers in `kv_transfer_params` (default: the side-channel host; required when that is "
+        "`0.0.0.0`, which is never advertised)",
+    ),
+    "handshake_timeout_s": ("HYBRID_KV_HANDSHAKE_TIMEOUT_S", 10.0, "deadline of one handshake with a peer rank"),
+    "transfer_timeout_s": ("HYBRID_KV_TRANSFER_TIMEOUT_S", 60.0, "deadline of one request's transfers"),
+    "lease_s": (
+        "HYBRID_KV_LEASE_S",
+        30.0,
+        "how long a prefill engine keeps a finished request's blocks for its decode engine before freeing them",
+    ),
+    "push_registration_timeout_s": (
+        "HYBRID_KV_PUSH_REGISTRATION_TIMEOUT_S",
+        60.0,
+        "push mode: how long a decode request waits for the prefill engine's WRITEs",
+    ),
+    "ucx_tls": ("HYBRID_KV_UCX_TLS", None, "sets `UCX_TLS` for the NIXL agent (e.g. `tcp`, `rc,cuda_copy`)"),
+    "insecure": (
+        "HYBRID_KV_INSECURE",
+        False,
+        "run the side channel without the shared secret (`HYBRID_KV_SECRET`); only on trusted networks",
+    ),
+    "coalesce": ("HYBRID_KV_COALESCE", True, "post runs of consecutive blocks as chunk descriptors (nixl >= 1.5)"),
+}
+
+
+def _parse(key: str, raw: Any, default: Any) -> Any:
+    if raw is None:
+        return None
+    if isinstance(default, bool):
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"hybrid-kv setting {key!r}: expected a boolean, got {raw!r}")
+    try:
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"hybrid-kv setting {key!r}: expected a number, got {raw!r}") from None
+    return str(raw)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Resolved connector settings (see ``SETTINGS``)."""
+
+    mode: str
+    side_channel_host: str
+    side_channel_port: int
+    advertise_host: str
+    handshake_timeout_s: float
+    transfer_timeout_s: float
+    lease_s: float
+    push_registration_timeout_s: float
+    ucx_tls: str | None
+    insecure: bool
+    coalesce: bool
+
+    @classmethod
+    def resolve(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """Settings from ``kv_connector_extra_config`` (``extra``), then ``env`` (default ``os.environ``)."""
+        extra = dict(extra or {})
+        env = os.environ if env is None else env
+        unknown = sorted(k for k in extra if k not in SETTINGS)
+        if unknown:
+            raise ConfigError(f"unknown hybrid-kv setting(s) in kv_connector_extra_config: {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for key, (var, default, _) in SETTINGS.items():
+            raw = extra[key] if key in extra else env.get(var)
+            value = _parse(key, raw, default)
+            values[key] = default if value is None else value
+        if values["mode"] not in ("pull", "push"):
+            raise ConfigError(f"hybrid-kv setting 'mode' must be 'pull' or 'push', got {values['mode']!r}")
+        host = values["side_channel_host"]
+        try:
+            listen_ip = ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"hybrid-kv setting 'side_channel_host' must be an IPv4 address, got {host!r}") from None
+        advertise = values["advertise_host"] or (None if listen_ip.is_unspecified else host)
+        if advertise is None:
+            raise ConfigError(
+                "hybrid-kv: side_channel_host is 0.0.0.0, which peers cannot reach; set advertise_host "
+                "(HYBRID_KV_ADVERTISE_HOST) to this machine's address on the network the peers use"
+            )
+        try:
+            if ipaddress.ip_address(advertise).is_unspecified:
+                raise ConfigError(f"hybrid-kv setting 'advertise_host' must be reachable, got {advertise!r}")
+        except ValueError:
+            pass  # a host name: handed to peers as is
+        if not 0 <= values["side_channel_port"] < 65536:
+            raise ConfigError(f"hybrid-kv setting 'side_channel_port' out of range: {values['side_channel_port']}")
+        for key in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "push_registration_timeout_s"):
+            if values[key] <= 0:
+                raise ConfigError(f"hybrid-kv setting {key!r} must be positive, got {values[key]}")
+        values["advertise_host"] = advertise
+        return cls(**values)
+
+    def worker_port(self, dp_index: int, tp_size: int, tp_rank: int) -> int:
+        """The side-channel port of one worker."""
+        return self.side_channel_port + dp_index * tp_size + tp_rank

@@ -1,0 +1,231 @@
+"""vLLM's KV-cache specs and tensors, translated into a hybrid-kv rank layout — in this one place.
+
+``layer_spec`` maps each vLLM spec type to a hybrid-kv layer spec (FullAttention, SlidingWindow, MLA,
+SlidingWindowMLA, Mamba1/Mamba2/GDN/KDA state); anything else is refused by name. ``rank_table`` turns the
+``kv_caches`` dict vLLM hands to ``register_kv_caches`` (the views ``allocate_kv_cache`` made from a
+``KVCacheConfig``) into a ``RegionTable``; ``compat_factors`` derives the handshake's compatibility hash
+factors from a ``VllmConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..._core import LayoutError, RegionTable
+from ...layout import build_region_table, layer, rank_layout
+from ...torch_adapter import tensor_memory
+
+__all__ = ["RankGeometry", "compat_factors", "layer_spec", "rank_table", "transfer_group_kinds"]
+
+log = logging.getLogger("hybrid_kv.integrations.vllm")
+
+_MAMBA_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=dtype).element_size())
+
+
+def unwrap(spec: Any, layer_name: str) -> Any:
+    """The layer's own spec (``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, Mapping):
+        return inner[layer_name]
+    return spec
+
+
+def layer_spec(spec: Any) -> dict[str, Any]:
+    """The hybrid-kv layer spec of one vLLM KV-cache spec (per TP rank, as vLLM's are).
+
+    Raises:
+        LayoutError: spec types hybrid-kv does not transfer (cross attention, chunked local attention, circular
+            buffers, quantized-scale layouts, replicated (``tp_replicated``) or speculative SSM state...).
+    """
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    padded = getattr(spec, "page_size_padded", None)
+    if isinstance(spec, MambaSpec):
+        kind = _MAMBA_KINDS.get(getattr(spec.mamba_type, "name", ""))
+        if kind is None:
+            raise LayoutError(f"{name} with mamba_type {spec.mamba_type} is not supported by hybrid-kv")
+        if spec.tp_replicated or spec.num_speculative_blocks:
+            raise LayoutError(f"{name}: replicated or speculative SSM state is not supported by hybrid-kv")
+        if len(spec.shapes) != 2:
+            raise LayoutError(f"{name}: expected (conv, temporal) state shapes, got {spec.shapes}")
+        return {
+            "type": "ssm",
+            "kind": kind,
+            "conv_shape": [int(d) for d in spec.shapes[0]],
+            "conv_dtype_bytes": _dtype_bytes(spec.dtypes[0]),
+            "temporal_shape": [int(d) for d in spec.shapes[1]],
+            "temporal_dtype_bytes": _dtype_bytes(spec.dtypes[1]),
+            "page_size_padded": int(spec.page_size_bytes),
+        }
+    if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+        if getattr(spec, "alignment", None) or getattr(spec, "num_head_slots", None):
+            raise LayoutError(f"{name}: padded/packed MLA pages are not supported by hybrid-kv")
+        return {
+            "type": "sliding_window_mla" if isinstance(spec, SlidingWindowMLASpec) else "mla",
+            "head_size": int(spec.head_size),
+            "dtype_bytes": _dtype_bytes(spec.dtype),
+            "page_size_padded": padded,
+        }
+    if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
+        assert isinstance(spec, AttentionSpec)
+        return {
+            "type": "sliding_window" if isinstance(spec, SlidingWindowSpec) else "full_attention",
+            "num_kv_heads": int(spec.num_kv_heads),
+            "head_size": int(spec.head_size),
+            "head_size_v": int(spec.head_size_v),
+            "dtype_bytes": _dtype_bytes(spec.dtype),
+            "page_size_padded": padded,
+        }
+    raise LayoutError(f"KV-cache spec {name} is not supported by hybrid-kv (not transferred)")
+
+
+def transfer_group_kinds(kv_cache_config: Any) -> list[str]:
+    """``attention`` / ``mla`` / ``ssm`` per transfer group, in transfer-group order."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+    kinds = []
+    for g in kv_cache_config.transfer_groups:
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)
+        if isinstance(inner, Mapping):
+            spec = next(iter(inner.values()))
+        if isinstance(spec, MambaSpec):
+            kinds.append("ssm")
+        elif isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            kinds.append("mla")
+        else:
+            kinds.append("attention")
+    return kinds
+
+
+@dataclass(frozen=True)
+class RankGeometry:
+    """Block geometry of one worker, as ``rank_table`` found it."""
+
+    logical_block_size: int
+    kernel_block_size: int
+    num_logical_blocks: int
+    mem_type: str
+
+
+def rank_table(
+    kv_caches: Mapping[str, Any],
+    kv_cache_config: Any,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    total_num_kv_heads: int,
+) -> tuple[RegionTable, RankGeometry]:
+    """The region table of one worker from the tensors vLLM registers (layers of transfer groups only).
+
+    Every layer view keeps blocks on dim 0: attention views are kernel-block granular (a manager block is
+    ``ppl`` kernel blocks), SSM views one state per block. The kernel block size is read off the attention
+    views (``shape[0] / num_blocks`` kernel blocks per block).
+    """
+    groups = list(kv_cache_config.transfer_groups)
+    if not groups:
+        raise LayoutError("the KV-cache config has no transfer groups")
+    num_blocks = int(kv_cache_config.num_blocks)
+    logical = {int(unwrap(g.kv_cache_spec, g.layer_names[0]).block_size) for g in groups}
+    if len(logical) != 1:
+        raise LayoutError(f"transfer groups have different block sizes {sorted(logical)}; hybrid-kv needs one")
+    logical_block_size = logical.pop()
+    entries = []
+    ppl_seen: set[int] = set()
+    mem_types: set[str] = set()
+    for gi, g in enumerate(groups):
+        if getattr(g, "host_resident", False):
+            raise LayoutError("host-resident (HiSparse) groups are not supported by hybrid-kv")
+        for name in g.layer_names:
+            view = kv_caches.get(name)
+            if view is None:
+                continue  # a layer sharing another layer's cache (not registered)
+            spec = layer_spec(unwrap(g.kv_cache_spec, name))
+            if isinstance(view, (list, tuple)):
+                raise LayoutError(f"layer {name}: per-state tensor lists are not supported; expected one view")
+            mem = tensor_memory(view, name)
+            # a padded page (SSM state shorter than the unified page) ends the view before its last page does;
+            # the page's padding is part of the allocation, so the region spans whole pages
+            storage = view.untyped_storage()
+            avail = storage.data_ptr() + storage.nbytes() - mem["base"]
+            mem["nbytes"] = max(mem["nbytes"], min(avail, int(view.shape[0]) * mem["block_stride"]))
+            if spec["type"] != "ssm":
+                blocks = int(view.shape[0])
+                if blocks % num_blocks:
+                    raise LayoutError(f"layer {name}: {blocks} kernel blocks is not a multiple of {num_blocks}")
+                ppl_seen.add(blocks // num_blocks)
+            mem_types.add(mem["mem_type"])
+            entries.append(layer(name, gi, spec, **mem))
+    if not entries:
+        raise LayoutError("no registered KV-cache tensor belongs to a transfer group")
+    if len(ppl_seen) > 1:
+        raise LayoutError(f"attention groups split blocks differently ({sorted(ppl_seen)} kernel blocks per block)")
+    if len(mem_types) > 1:
+        raise LayoutError(f"mixed memory types {sorted(mem_types)} are not supported by hybrid-kv")
+    ppl = ppl_seen.pop() if ppl_seen else 1
+    if logical_block_size % ppl:
+        raise LayoutError(f"block size {logical_block_size} is not divisible into {ppl} kernel blocks")
+    table = build_region_table(
+        rank_layout(
+            entries,
+            logical_block_size=logical_block_size,
+            kernel_block_size=logical_block_size // ppl,
+            num_logical_blocks=num_blocks,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_num_kv_heads=total_num_kv_heads,
+        )
+    )
+    geo = RankGeometry(logical_block_size, logical_block_size // ppl, num_blocks, mem_types.pop())
+    log.debug(
+        "rank %d/%d: %d regions, block %d tokens = %d kernel blocks, %d blocks",
+        tp_rank,
+        tp_size,
+        table.num_regions,
+        logical_block_size,
+        ppl,
+        num_blocks,
+    )
+    return table, geo
+
+
+def compat_factors(vllm_config: Any, mode: str) -> dict[str, Any]:
+    """The model factors both engines must share (hashed into the handshake's ``compat_hash``).
+
+    TP size, block sizes and layouts are not hashed: the handshake validates them.
+    """
+    from vllm import __version__ as vllm_version
+
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    spec = vllm_config.speculative_config
+    speculative = [] if spec is None else [f"method={spec.method}", f"model={getattr(spec, 'model', None)}"]
+    return {
+        "model": str(mc.model),
+        "dtype": str(mc.dtype),
+        "cache_dtype": str(cc.cache_dtype),
+        "total_num_kv_heads": int(mc.get_total_num_kv_heads()),
+        "head_size": int(mc.get_head_size()),
+        "num_hidden_layers": int(mc.get_total_num_hidden_layers()),
+        "attn_backend": f"vllm-{vllm_version}",
+        "hma": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "speculative": speculative,
+        "transfer_mode": mode,
+    }

@@ -1,0 +1,181 @@
+"""The scheduler half: which requests load KV from a prefill engine, which keep their blocks for a decode
+engine (with a lease), and the ``kv_transfer_params`` the two engines (through a router) exchange.
+
+``kv_transfer_params`` use vLLM's NixlConnector fields: ``do_remote_prefill``/``do_remote_decode``,
+``remote_engine_id``, ``remote_request_id``, ``remote_block_ids`` (one list per transfer group, HMA),
+``remote_host``/``remote_port`` (the side channel of TP rank 0 of that engine; rank ``r`` listens on
+``port + r``), ``tp_size``, ``remote_num_tokens`` and ``transfer_mode``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+from .config import ConnectorConfig
+from .metadata import BlockIds, HybridKvMetadata, RecvReq
+from .stats import HybridKvStats
+
+__all__ = ["SchedulerHalf"]
+
+log = logging.getLogger("hybrid_kv.integrations.vllm.scheduler")
+
+_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
+
+
+class SchedulerHalf:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, engine_id: str, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
+        pc = vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.host = cfg.advertise_host
+        self.port = cfg.worker_port(int(getattr(pc, "data_parallel_index", 0) or 0), self.tp_size, 0)
+        self.hma = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        groups = list(kv_cache_config.transfer_groups)
+        self.has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+        # per transfer group: blocks a sliding window keeps (+1 for misalignment), SSM speculative slots
+        self._window = [
+            -(-g.kv_cache_spec.sliding_window // g.kv_cache_spec.block_size) + 1
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+            else 0
+            for g in groups
+        ]
+        self._ssm_spec = [
+            g.kv_cache_spec.num_speculative_blocks if isinstance(g.kv_cache_spec, MambaSpec) else None for g in groups
+        ]
+        self._recv: dict[str, RecvReq] = {}
+        self._send: dict[str, tuple[BlockIds, float]] = {}
+        self._aborted: set[str] = set()
+        self.stats = HybridKvStats()
+        log.info(
+            "hybrid-kv scheduler %s: mode %s, side channel %s:%d (TP %d), HMA %s",
+            engine_id,
+            cfg.mode,
+            self.host,
+            self.port,
+            self.tp_size,
+            self.hma,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def clip(self, block_ids: Any) -> BlockIds:
+        """A request's transferable blocks per transfer group: sliding windows keep their tail, SSM groups the
+        running-state slot (vLLM's own clipping)."""
+        if not block_ids:
+            return []
+        ids = list(self.kv_cache_config.select_transfer_block_ids(list(block_ids)))
+        out = []
+        for g, blocks in enumerate(ids):
+            blocks = list(blocks)
+            if self._window[g]:
+                blocks = blocks[-self._window[g] :]
+            elif blocks and self._ssm_spec[g] is not None:
+                blocks = clip_ssm_state_blocks(blocks, self._ssm_spec[g])
+            out.append([int(b) for b in blocks])
+        return out
+
+    def backoff(self) -> int:
+        """Trailing prompt tokens the prefill leaves to the decode (SSM models: the decode recomputes the
+        last token from the state after N-1 tokens)."""
+        return 1 if self.has_mamba else 0
+
+    # ------------------------------------------------------------------ KVConnectorBase_V1 scheduler hooks
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or params.get("_hkv_truncated"):
+            return
+        n = self.backoff()
+        if n and request.num_prompt_tokens > n and request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-n:]
+            del request._all_token_ids[-n:]
+            request.num_prompt_tokens -= n
+            params["_hkv_truncated"] = True
+        request.max_tokens = 1
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        t0 = time.perf_counter()
+        params = request.kv_transfer_params
+        count = 0
+        if params and params.get("do_remote_prefill"):
+            prompt = len(request.prompt_token_ids or [])
+            n = self.backoff()
+            count = max(0, (prompt - n if n and prompt > n else prompt) - num_computed_tokens)
+        self.stats.add_time("scheduler_s", time.perf_counter() - t0)
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        t0 = time.perf_counter()
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            if all(k in params for k in _REMOTE_FIELDS):
+                local = self.clip(blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else []
+                self._recv[request.request_id] = self._recv_req(request.request_id, local, params)
+            else:
+                log.warning("request %s: kv_transfer_params lack %s; loading nothing", request.request_id, params)
+            params["do_remote_prefill"] = False
+        self.stats.add_time("scheduler_s", time.perf_counter() - t0)
+
+    def _recv_req(self, request_id: str, local: BlockIds, params: dict[str, Any]) -> RecvReq:
+        return RecvReq(
+            request_id=request_id,
+            local_block_ids=local,
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_request_id=str(params["remote_request_id"]),
+            remote_block_ids=[list(map(int, g)) for g in (params.get("remote_block_ids") or [])],
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_tp_size=int(params["tp_size"]),
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> HybridKvMetadata:
+        t0 = time.perf_counter()
+        meta = HybridKvMetadata(recv=self._recv, send=self._send, aborted=self._aborted)
+        self._recv, self._send, self._aborted = {}, {}, set()
+        self.stats.add_time("scheduler_s", time.perf_counter() - t0)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        t0 = time.perf_counter()
+        try:
+            params = request.kv_transfer_params
+            if not params:
+                return False, None
+            if params.get("do_remote_prefill"):
+                # aborted before its blocks were allocated: tell the prefill engine to free its blocks
+                if all(k in params for k in _REMOTE_FIELDS):
+                    self._recv[request.request_id] = self._recv_req(request.request_id, [], params)
+                params["do_remote_prefill"] = False
+                return False, None
+            if not params.get("do_remote_decode"):
+                return False, None
+            if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                self._aborted.add(request.request_id)
+                return False, None
+            ids = self.clip(block_ids)
+            delay = any(ids)
+            if delay:
+                self._send[request.request_id] = (ids, self.cfg.lease_s)
+            return delay, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": request.request_id,
+                "remote_block_ids": ids,
+                "remote_host": self.host,
+                "remote_port": self.port,
+                "tp_size": self.tp_size,
+                "remote_num_tokens": int(request.num_computed_tokens),
+                "transfer_mode": self.cfg.mode,
+            }
+        finally:
+            self.stats.add_time("scheduler_s", time.perf_counter() - t0)

@@ -1,0 +1,504 @@
+"""The worker half: registers the KV caches, handshakes with peer engines, moves requests over NIXL.
+
+Each worker owns one *server* endpoint (registered memory, handshake metadata served on its side channel,
+notices and control messages from peers) and one *active* endpoint per peer engine it posts transfers to
+(pull: the decode READs from prefill engines; push: the prefill WRITEs into decode engines), whose local
+tables are that peer's ``PeerPlan`` tables.
+
+Completion, in both modes, is reported over the side channel (authenticated control messages):
+
+- pull: after its READs for a request finished (or failed, or there was nothing to read), each decode rank
+  sends ``release`` to every prefill rank it handshakes with; a prefill rank frees the request's blocks once
+  all its consumers released it, or when the lease expires;
+- push: each decode rank sends ``push_reg`` (its block ids) to the prefill ranks it handshakes with; a prefill
+  rank, once the request finished on its side and a registration arrived, plans and WRITEs, then tells every
+  decode rank it handshakes with whether it writes to it (``push_plan``); a decode rank then awaits exactly
+  the writers' done-notices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..._core import PeerPlan, RegionTable, compat_hash, encode_meta, handshake_target_ranks, validate_handshake
+from ...transport import Endpoint, HandshakeError, Transfer, TransferError
+from .config import ConnectorConfig
+from .layout import RankGeometry, compat_factors, rank_table
+from .metadata import BlockIds, HybridKvMetadata, RecvReq, decode_control, encode_control
+from .stats import HybridKvStats
+
+__all__ = ["WorkerHalf"]
+
+log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
+
+
+def _row_index(rows: npt.NDArray[np.uint64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    counts = np.ones(rows.shape[0], dtype=np.int64) if rows.shape[1] == 3 else rows[:, 4].astype(np.int64)
+    return np.cumsum(counts), rows[:, 1].astype(np.int64)
+
+
+@dataclass
+class _Link:
+    """This worker's active endpoint towards one peer engine."""
+
+    engine_id: str
+    tp_size: int
+    targets: list[int]
+    addresses: dict[int, str]
+    plan: PeerPlan
+    ep: Endpoint
+    index: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
+    rows: dict[str, npt.NDArray[np.uint64]]
+
+
+@dataclass
+class _Inflight:
+    """A request this worker posted (or awaits): what to report when it ends."""
+
+    request_id: str  # the vLLM request id on this engine
+    role: str  # "recv" (decode) or "send" (prefill, push)
+    link: _Link | None
+    transfers: list[Transfer]
+    t_post: float
+    post_s: float
+    nbytes: int
+    descriptors: int
+    local_ids: BlockIds = field(default_factory=list)
+    release: list[tuple[str, bytes]] = field(default_factory=list)  # (address, control) to send when it ends
+
+
+def _remote_tables(plan: PeerPlan, rank: int) -> Any:
+    """The ``tables`` callback of ``Endpoint.connect``: peer ``rank``'s table in ``plan``."""
+
+    def tables(payload: bytes) -> dict[str, npt.NDArray[np.uint64]]:
+        return {"remote": plan.remote_rows(rank)}
+
+    return tables
+
+
+class WorkerHalf:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, engine_id: str, cfg: ConnectorConfig) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = engine_id
+        pc = vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.tp_rank = int(get_tensor_model_parallel_rank()) if self.tp_size > 1 else 0
+        self.port = cfg.worker_port(int(getattr(pc, "data_parallel_index", 0) or 0), self.tp_size, self.tp_rank)
+        self.name = f"{engine_id}-tp{self.tp_rank}"
+        self.num_groups = len(kv_cache_config.transfer_groups)
+        self.stats = HybridKvStats()
+        self.table: RegionTable | None = None
+        self.geometry: RankGeometry | None = None
+        self.server: Endpoint | None = None
+        self.payload = b""
+        self.links: dict[str, _Link] = {}
+        self.inflight: dict[str, _Inflight] = {}  # keyed by the id posted/awaited on the endpoint
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.invalid_blocks: set[int] = set()
+        # prefill side: leased requests (expiry, consumers still owed), early releases, push registrations
+        self.leased: dict[str, tuple[float, BlockIds]] = {}
+        self.released: dict[str, set[str]] = {}
+        self.consumers: dict[str, int] = {}
+        self.push_regs: dict[str, dict[str, Any]] = {}
+        # decode side, push: partners still to answer, senders that write, by local request id
+        self.push_wait: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        mc = self.vllm_config.model_config
+        total_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+        self.table, self.geometry = rank_table(
+            kv_caches, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size, total_num_kv_heads=total_heads
+        )
+        factors = compat_factors(self.vllm_config, self.cfg.mode)
+        info = {
+            "engine_id": self.engine_id,
+            "agent_metadata": [],
+            "kv_layout": "HND",
+            "attn_backend": "vllm",
+            "transfer_mode": self.cfg.mode,
+            "compat_hash": compat_hash(json.dumps(factors, sort_keys=True)),
+            "prefix_caching": bool(self.vllm_config.cache_config.enable_prefix_caching),
+        }
+        self.payload = encode_meta(self.table.agent_meta_json(json.dumps(info)))
+        if self.cfg.ucx_tls:
+            os.environ["UCX_TLS"] = self.cfg.ucx_tls
+        self.server = Endpoint(
+            self.name,
+            self.table.registration(),
+            {"whole": self.table.local_rows()},
+            mem_type=self.geometry.mem_type,
+            metadata_provider=self._serve_payload,
+            listen=f"tcp://{self.cfg.side_channel_host}:{self.port}",
+            insecure=self.cfg.insecure,
+        )
+        log.info(
+            "hybrid-kv worker %s: %d regions, %d blocks of %d tokens (%d-token kernel blocks), side channel %s",
+            self.name,
+            self.table.num_regions,
+            self.geometry.num_logical_blocks,
+            self.geometry.logical_block_size,
+            self.geometry.kernel_block_size,
+            self.server.address,
+        )
+        self.stats.add_time("worker_s", time.perf_counter() - t0)
+
+    def _serve_payload(self, rank: int) -> bytes:
+        if rank != self.tp_rank:
+            raise ValueError(f"this side channel serves TP rank {self.tp_rank}, not {rank}")
+        return self.payload
+
+    # ------------------------------------------------------------------ handshake
+
+    def _address(self, host: str, port: int, rank: int) -> str:
+        return f"tcp://{host}:{port + rank}"
+
+    def _link(self, engine_id: str, host: str, port: int, tp_size: int) -> _Link:
+        link = self.links.get(engine_id)
+        if link is not None:
+            return link
+        import zmq
+
+        from ...transport.side_channel import ChannelError, fetch_meta
+
+        assert self.table is not None and self.geometry is not None
+        targets = list(handshake_target_ranks(self.tp_rank, self.tp_size, tp_size))
+        addresses = {r: self._address(host, port, r) for r in targets}
+        ctx: Any = zmq.Context()
+        try:
+            payloads = {
+                r: fetch_meta(ctx, addresses[r], r, self.name, self.cfg.handshake_timeout_s)[0] for r in targets
+            }
+        except ChannelError as exc:
+            self.stats.count("num_failed_handshakes")
+            raise HandshakeError(f"{self.name}: fetching {engine_id}'s metadata failed: {exc}") from exc
+        finally:
+            ctx.destroy(linger=0)
+        try:
+            for r in targets:
+                validate_handshake(self.payload, payloads[r], expected_engine_id=engine_id, expected_tp_size=tp_size)
+            plan = PeerPlan(self.table, [payloads[r] for r in targets], self.cfg.mode, coalesce=self.cfg.coalesce)
+        except Exception:
+            self.stats.count("num_failed_handshakes")
+            raise
+        rows = {k: plan.local_rows(k) for k in plan.table_keys}
+        ep = Endpoint(
+            f"{self.name}->{engine_id}",
+            self.table.registration(),
+            rows,
+            mem_type=self.geometry.mem_type,
+            listen=f"tcp://{self.cfg.side_channel_host}:0",
+            insecure=self.cfg.insecure,
+        )
+        try:
+            for r in targets:
+                ep.connect(
+                    r,
+                    addresses[r],
+                    _remote_tables(plan, r),
+                    rank=r,
+                    timeout_s=self.cfg.handshake_timeout_s,
+                    expected_payload=payloads[r],
+                )
+        except Exception:
+            self.stats.count("num_failed_handshakes")
+            ep.close()
+            raise
+        link = _Link(
+            engine_id, tp_size, targets, addresses, plan, ep, {k: _row_index(v) for k, v in rows.items()}, rows
+        )
+        self.links[engine_id] = link
+        log.info("hybrid-kv %s: connected to %s ranks %s (tp ratio %d)", self.name, engine_id, targets, plan.tp_ratio)
+        return link
+
+    # ------------------------------------------------------------------ per step
+
+    def start_load_kv(self, meta: HybridKvMetadata) -> None:
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        for rid, (ids, lease_s) in meta.send.items():
+            self.leased[rid] = (now + lease_s, ids)
+        for rid in meta.aborted:
+            self.released.pop(rid, None)
+            self.push_regs.pop(rid, None)
+        for req in meta.recv.values():
+            try:
+                if self.cfg.mode == "pull":
+                    self._start_pull(req)
+                else:
+                    self._start_push_recv(req)
+            except (HandshakeError, TransferError, Exception) as exc:  # noqa: B014 - report, never crash a step
+                log.error("hybrid-kv %s: request %s cannot load: %s", self.name, req.request_id, exc)
+                self._recv_failed(req.request_id, req.local_block_ids, None)
+        if self.cfg.mode == "push":
+            self._match_pushes()
+        self.stats.add_time("worker_s", time.perf_counter() - t0)
+
+    def _start_pull(self, req: RecvReq) -> None:
+        consumers = max(1, self.tp_size // req.remote_tp_size)
+        release = encode_control("release", req=req.remote_request_id, consumers=consumers)
+        link = self._link(req.remote_engine_id, req.remote_host, req.remote_port, req.remote_tp_size)
+        releases = [(link.addresses[r], release) for r in link.targets]
+        transfers: list[Transfer] = []
+        if any(req.local_block_ids) and any(req.remote_block_ids):
+            plan = link.plan.plan(req.local_block_ids, req.remote_block_ids)
+            transfers = [
+                Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers
+            ]
+        if not transfers:
+            self.finished_recving.add(req.request_id)
+            self._send_controls(link.ep, releases)
+            return
+        self._post(req.request_id, "recv", link, transfers, "READ", self.cfg.transfer_timeout_s, req.local_block_ids)
+        self.inflight[req.request_id].release = releases
+
+    def _post(
+        self, rid: str, role: str, link: _Link, transfers: list[Transfer], op: Any, timeout: float, ids: BlockIds
+    ) -> None:
+        nbytes = descriptors = 0
+        for t in transfers:
+            ends, lens = link.index[t.local_key]
+            nbytes += int(lens[np.searchsorted(ends, t.local_ids.astype(np.int64), side="right")].sum())
+            descriptors += int(t.local_ids.size)
+        t0 = time.perf_counter()
+        link.ep.post(rid, transfers, op, timeout)
+        t1 = time.perf_counter()
+        self.inflight[rid] = _Inflight(rid, role, link, transfers, t1, t1 - t0, nbytes, descriptors, ids)
+
+    def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
+        for address, payload in messages:
+            try:
+                ep.send_control(address, payload, self.cfg.handshake_timeout_s)
+            except TransferError as exc:
+                log.warning("hybrid-kv %s: control message to %s failed: %s", self.name, address, exc)
+
+    # ------------------------------------------------------------------ push
+
+    def _start_push_recv(self, req: RecvReq) -> None:
+        """Decode side of push: register our blocks with the prefill ranks we pair with, then await them."""
+        assert self.server is not None
+        targets = list(handshake_target_ranks(self.tp_rank, self.tp_size, req.remote_tp_size))
+        if not any(req.local_block_ids):
+            msg = encode_control("push_reg", p_req=req.remote_request_id, d_req=req.request_id, ids=[], engine="")
+            self._send_controls(
+                self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets]
+            )
+            self.finished_recving.add(req.request_id)
+            return
+        msg = encode_control(
+            "push_reg",
+            p_req=req.remote_request_id,
+            d_req=req.request_id,
+            ids=req.local_block_ids,
+            engine=self.engine_id,
+            host=self.cfg.advertise_host,
+            port=self.port - self.tp_rank,
+            tp=self.tp_size,
+        )
+        self.push_wait[req.request_id] = {
+            "partners": len(targets),
+            "answered": set(),
+            "writers": 0,
+            "ids": req.local_block_ids,
+            "deadline": time.monotonic() + self.cfg.push_registration_timeout_s,
+        }
+        self._send_controls(self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets])
+
+    def _on_push_plan(self, sender: str, msg: dict[str, Any]) -> None:
+        rid = str(msg.get("d_req"))
+        wait = self.push_wait.get(rid)
+        if wait is None or sender in wait["answered"]:
+            return
+        wait["answered"].add(sender)
+        wait["writers"] += int(bool(msg.get("writes")))
+        if len(wait["answered"]) < wait["partners"]:
+            return
+        del self.push_wait[rid]
+        if wait["writers"] == 0:
+            self.finished_recving.add(rid)
+            return
+        assert self.server is not None
+        self.server.expect(rid, max(1.0, wait["deadline"] - time.monotonic()), senders=wait["writers"])
+        self.inflight[rid] = _Inflight(rid, "recv", None, [], time.perf_counter(), 0.0, 0, 0, wait["ids"])
+
+    def _match_pushes(self) -> None:
+        """Prefill side of push: WRITE every request that finished here and has a decode registration."""
+        for p_req in [r for r in self.push_regs if r in self.leased]:
+            reg = self.push_regs.pop(p_req)
+            _, local_ids = self.leased[p_req]
+            d_req = str(reg["d_req"])
+            try:
+                if not any(reg["ids"]):
+                    self._sent(p_req)
+                    continue
+                link = self._link(str(reg["engine"]), str(reg["host"]), int(reg["port"]), int(reg["tp"]))
+                plan = link.plan.plan(local_ids, reg["ids"])
+                transfers = [
+                    Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers
+                ]
+                writers = {int(t.peer) for t in transfers}
+                if transfers:
+                    self._post(d_req, "send", link, transfers, "WRITE", self.cfg.transfer_timeout_s, local_ids)
+                    self.inflight[d_req].request_id = p_req
+                else:
+                    self._sent(p_req)
+                self._send_controls(
+                    link.ep,
+                    [
+                        (link.addresses[r], encode_control("push_plan", d_req=d_req, writes=r in writers))
+                        for r in link.targets
+                    ],
+                )
+            except Exception as exc:  # noqa: BLE001 - a failed push frees the blocks and is counted
+                log.error("hybrid-kv %s: push of %s to %s failed: %s", self.name, p_req, d_req, exc)
+                self.stats.count("num_failed_transfers")
+                self._sent(p_req)
+
+    # ------------------------------------------------------------------ completion
+
+    def _sent(self, p_req: str) -> None:
+        self.leased.pop(p_req, None)
+        self.released.pop(p_req, None)
+        self.finished_sending.add(p_req)
+
+    def _recv_failed(self, rid: str, local_ids: BlockIds, failed: Any) -> None:
+        self.stats.count("num_failed_transfers")
+        self.finished_recving.add(rid)
+        if self.num_groups == 1:
+            # one group: block ids name blocks uniquely, so vLLM recomputes from the first failed block
+            self.invalid_blocks.update(self._failed_blocks(local_ids, failed))
+        else:
+            self.failed_recving.add(rid)  # several groups: vLLM recomputes the request
+
+    def _failed_blocks(self, local_ids: BlockIds, failed: Any) -> set[int]:
+        """The request's blocks whose bytes are not known to have landed (all of them without details)."""
+        all_ids = {b for g in local_ids for b in g}
+        if not failed or self.table is None:
+            return all_ids
+        link = next(
+            (lk for lk in self.links.values() if any(t in lk.rows for t in (f.local_key for f in failed))), None
+        )
+        if link is None:
+            return all_ids
+        hit: set[int] = set()
+        page = self.geometry.logical_block_size // self.geometry.kernel_block_size if self.geometry else 1
+        kernel_len = self.table.block_lens
+        bases = self.table.base_addrs
+        for f in failed:
+            rows = link.rows[f.local_key]
+            ends, _ = link.index[f.local_key]
+            ids = np.asarray(f.local_ids, dtype=np.int64)
+            row = np.searchsorted(ends, ids, side="right")
+            start = ends[row] - (rows[row, 4].astype(np.int64) if rows.shape[1] == 5 else 1)
+            stride = rows[row, 3].astype(np.int64) if rows.shape[1] == 5 else np.zeros_like(ids)
+            addrs = rows[row, 0].astype(np.int64) + (ids - start) * stride
+            for a in addrs.tolist():
+                for base, klen in zip(bases, kernel_len, strict=True):
+                    off = a - base
+                    if 0 <= off < klen * page * self.geometry.num_logical_blocks:  # type: ignore[union-attr]
+                        hit.add(off // (klen * page))
+        return (hit & all_ids) or all_ids
+
+    def _on_control(self, sender: str, payload: bytes) -> None:
+        msg = decode_control(payload)
+        if msg is None:
+            return
+        kind = msg["hkv_vllm"]
+        if kind == "release":
+            rid = str(msg.get("req"))
+            self.consumers[rid] = max(1, int(msg.get("consumers", 1)))
+            self.released.setdefault(rid, set()).add(sender)
+        elif kind == "push_reg":
+            self.push_regs.setdefault(str(msg.get("p_req")), msg)
+        elif kind == "push_plan":
+            self._on_push_plan(sender, msg)
+
+    def _progress(self) -> None:
+        eps = ([self.server] if self.server is not None else []) + [lk.ep for lk in self.links.values()]
+        for ep in eps:
+            ev = ep.poll()
+            for c in ev.control:
+                self._on_control(c.sender, c.payload)
+            for rid in ev.done:
+                self._finish(rid, None)
+            for err in ev.failed:
+                if err.request_id is not None:
+                    self._finish(err.request_id, err)
+        if self.cfg.mode == "push":
+            self._match_pushes()
+        now = time.monotonic()
+        for rid, (expiry, _) in list(self.leased.items()):
+            owed = self.consumers.get(rid)
+            if owed is not None and len(self.released.get(rid, ())) >= owed:
+                self.consumers.pop(rid, None)
+                self._sent(rid)
+            elif now >= expiry:
+                log.warning("hybrid-kv %s: lease of %s expired before its decode engine released it", self.name, rid)
+                self.stats.count("num_expired_leases")
+                self.consumers.pop(rid, None)
+                self._sent(rid)
+        for rid, wait in list(self.push_wait.items()):
+            if now >= wait["deadline"]:
+                del self.push_wait[rid]
+                log.error("hybrid-kv %s: no push for %s within the registration timeout", self.name, rid)
+                self._recv_failed(rid, wait["ids"], None)
+
+    def _finish(self, key: str, err: TransferError | None) -> None:
+        job = self.inflight.pop(key, None)
+        if job is None:
+            return
+        if err is None:
+            self.stats.record_transfer(job.nbytes, job.descriptors, job.post_s, time.perf_counter() - job.t_post)
+        if job.role == "recv":
+            if err is None:
+                self.finished_recving.add(job.request_id)
+            else:
+                log.error("hybrid-kv %s: loading %s failed: %s", self.name, job.request_id, err)
+                self._recv_failed(job.request_id, job.local_ids, err.failed)
+            if job.link is not None and job.release:
+                self._send_controls(job.link.ep, job.release)
+        else:
+            if err is not None:
+                log.error("hybrid-kv %s: pushing %s failed: %s", self.name, job.request_id, err)
+                self.stats.count("num_failed_transfers")
+            self._sent(job.request_id)
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        t0 = time.perf_counter()
+        self._progress()
+        out = (self.finished_sending, self.finished_recving, self.failed_recving)
+        self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
+        self.stats.add_time("worker_s", time.perf_counter() - t0)
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        out, self.invalid_blocks = self.invalid_blocks, set()
+        return out
+
+    def take_stats(self) -> HybridKvStats | None:
+        stats = self.stats.clone_and_reset()
+        return None if stats.is_empty() and not stats.data["worker_s"] else stats
+
+    def shutdown(self) -> None:
+        for link in self.links.values():
+            link.ep.close()
+        self.links.clear()
+        if self.server is not None:
+            self.server.close()
+            self.server = None

@@ -1,0 +1,599 @@
+"""Drive hybrid-kv's vLLM connector with vLLM's own objects: a real ``Scheduler`` per engine (in the test
+process) and one spawned process per TP worker (vLLM's ``init_distributed_environment`` over gloo, the
+connector built by vLLM's ``KVConnectorFactory`` role WORKER, KV caches allocated by vLLM's
+``allocate_kv_cache`` from the ``KVCacheConfig`` vLLM's planner made).
+
+Each engine step: ``Scheduler.schedule()`` -> every worker binds the connector metadata, ``start_load_kv``,
+``wait_for_save``, ``get_transfer_results`` -> results aggregated like vLLM's ``KVOutputAggregator`` (a
+request is finished once every worker reported it) -> ``Scheduler.update_from_output``. Prefill workers
+"compute" a request by writing its KV shares into the blocks the scheduler gave it (``Content``); decode
+workers compare every byte of their KV memory with what it must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODELS = ("kimi", "gqa", "mla")
+KB = 16  # kernel block (tokens) of every attention group here
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: everything a worker process needs to rebuild its config (picklable)."""
+
+    engine_id: str
+    model: str  # kimi | gqa | mla
+    model_dir: str
+    tp: int
+    mode: str
+    port: int
+    num_blocks: int = 160
+    host: str = "127.0.0.1"
+    extra: tuple[tuple[str, Any], ...] = ()
+    seed: int = 0
+
+    @property
+    def logical_block_size(self) -> int:
+        if self.model == "kimi":
+            from hybrid_kv.presets import get_preset
+
+            return get_preset("tiny-kimi-linear").geometry(self.tp).logical_block_size
+        return 32
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def write_model_dirs(root: Path) -> dict[str, str]:
+    """Tiny HF configs (no weights, no tokenizer: only ModelConfig reads them)."""
+    configs = {
+        "kimi": {
+            "architectures": ["KimiLinearForCausalLM"],
+            "model_type": "kimi_linear",
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 16,
+            "intermediate_size": 128,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "q_lora_rank": None,
+            "mla_use_nope": True,
+            "torch_dtype": "bfloat16",
+            "max_position_embeddings": 4096,
+            "num_experts": 4,
+            "num_experts_per_token": 2,
+            "moe_intermediate_size": 32,
+            "linear_attn_config": {
+                "kda_layers": [i + 1 for i in range(12) if i % 4 != 3],
+                "full_attn_layers": [4, 8, 12],
+                "num_heads": 4,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+            },
+        },
+        "gqa": {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 8,
+            "intermediate_size": 128,
+            "torch_dtype": "bfloat16",
+            "max_position_embeddings": 4096,
+        },
+        "mla": {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 2,
+            "torch_dtype": "bfloat16",
+            "max_position_embeddings": 4096,
+        },
+    }
+    out = {}
+    for name, cfg in configs.items():
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfg))
+        out[name] = str(d)
+    return out
+
+
+def layer_specs(spec: EngineSpec) -> dict[str, Any]:
+    """Per-layer KV-cache specs of one TP rank, as the model's attention layers would report them."""
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    bs, tp = spec.logical_block_size, spec.tp
+    out: dict[str, Any] = {}
+    if spec.model == "kimi":
+        from hybrid_kv.presets import get_preset
+
+        geo = get_preset("tiny-kimi-linear").geometry(tp)
+        for i in range(12):
+            if i % 4 == 3:
+                out[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+                    block_size=bs, num_kv_heads=1, head_size=48, dtype=torch.bfloat16
+                )
+            else:
+                out[f"model.layers.{i}.self_attn.kda"] = MambaSpec(
+                    block_size=bs,
+                    shapes=((3 * 64 // tp, 3), (4 // tp, 16, 16)),
+                    dtypes=(torch.bfloat16, torch.float32),
+                    page_size_padded=geo.page_bytes,
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                )
+    elif spec.model == "gqa":
+        for i in range(2):
+            out[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=bs, num_kv_heads=4 // tp, head_size=8, dtype=torch.bfloat16
+            )
+    else:
+        for i in range(2):
+            out[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+                block_size=bs, num_kv_heads=1, head_size=48, dtype=torch.bfloat16
+            )
+    return out
+
+
+def build(spec: EngineSpec) -> tuple[Any, Any, dict[str, Any]]:
+    """``(VllmConfig, KVCacheConfig, layer specs)`` of an engine, through vLLM's own config and planner."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    mc = ModelConfig(model=spec.model_dir, dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=2048)
+    extra = {"mode": spec.mode, "side_channel_port": spec.port, "side_channel_host": spec.host, **dict(spec.extra)}
+    vc = VllmConfig(
+        model_config=mc,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=2048, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=spec.logical_block_size, cache_dtype="auto", enable_prefix_caching=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=spec.tp),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HybridKvConnector",
+            kv_connector_module_path="hybrid_kv.integrations.vllm",
+            kv_role="kv_both",
+            engine_id=spec.engine_id,
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    # vLLM turns the hybrid KV-cache manager (HMA) off on platforms without a GPU; every GPU deployment of a
+    # hybrid model runs with it on, which is the configuration under test.
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+    from hybrid_kv.integrations.vllm import HybridKvConnector
+
+    vc.cache_config.kv_cache_layout = HybridKvConnector.get_required_kvcache_layout(vc) or "LBNHC"
+    specs = layer_specs(spec)
+    groups = get_global_kv_cache_groups(vc, [specs])
+    page = max(s.page_size_bytes for s in specs.values())
+    tensors = 3 if spec.model == "kimi" else 2
+    kv_cfg = get_kv_cache_configs(vc, [specs], [page * tensors * spec.num_blocks], groups)[0]
+    return vc, kv_cfg, specs
+
+
+# ---------------------------------------------------------------------------------------------- content
+
+
+def _rand(seed: int, key: tuple[int, ...], n: int) -> np.ndarray:
+    return np.random.default_rng([seed, *key]).integers(0, 256, n, dtype=np.uint8)
+
+
+class Content:
+    """The logical (pre-TP) KV of one request: per (region, group) attention cells or one SSM state."""
+
+    def __init__(self, seed: int, index: int, tokens: int) -> None:
+        self.seed, self.index, self.tokens = seed, index, tokens
+
+    def cells(self, region: int, group: int, heads: int, cell: int) -> np.ndarray:
+        data = _rand(self.seed, (1, self.index, region, group), self.tokens * heads * cell)
+        return data.reshape(self.tokens, heads, cell)
+
+    def state_share(self, region: int, group: int, spec: Any, rank: int, tp: int) -> np.ndarray:
+        """Rank ``rank``'s state: its channel slice of each conv sub-projection (Q|K|V), then its temporal rows."""
+        conv_local, rows = spec.shapes[0]
+        temporal = spec.shapes[1]
+        value = temporal[0] * temporal[1] * tp  # global V channels (GDN/KDA)
+        key = (conv_local * tp - value) // 2
+        esz = 2
+        parts = []
+        for p, dims in enumerate((key, key, value)):
+            g = _rand(self.seed, (2, self.index, region, group, p), dims * rows * esz).reshape(dims, rows * esz)
+            parts.append(g[rank * dims // tp : (rank + 1) * dims // tp].reshape(-1))
+        s = temporal[0] * tp
+        rest = int(np.prod(temporal[1:])) * 4
+        t = _rand(self.seed, (3, self.index, region, group), s * rest).reshape(s, rest)
+        parts.append(t[rank * s // tp : (rank + 1) * s // tp].reshape(-1))
+        return np.concatenate(parts)
+
+
+class Memory:
+    """A worker's KV memory as vLLM allocated it, addressed per layer view (bytes)."""
+
+    def __init__(self, kv_caches: dict[str, Any], kv_cfg: Any, specs: dict[str, Any], tp: int, rank: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.kv_caches = kv_caches
+        self.storage = next(iter(kv_caches.values())).untyped_storage()
+        self.base = self.storage.data_ptr()
+        self.flat = torch.empty(0, dtype=torch.uint8).set_(self.storage).view(-1)
+        self.tp, self.rank, self.specs = tp, rank, specs
+        self.num_blocks = kv_cfg.num_blocks
+        self.group_of = {n: gi for gi, g in enumerate(kv_cfg.transfer_groups) for n in g.layer_names}
+        ptrs = sorted({v.data_ptr() for v in kv_caches.values()})
+        self.region_of = {n: ptrs.index(v.data_ptr()) for n, v in kv_caches.items()}
+
+    def bytes_view(self, name: str, flat: Any) -> Any:
+        """Layer ``name``'s view over ``flat`` (this memory or a copy of it) as uint8 ``(blocks, H, N, C bytes)``."""
+        v = self.kv_caches[name]
+        esz = v.element_size()
+        shape = (*v.shape[:-1], v.shape[-1] * esz)
+        stride = (*(s * esz for s in v.stride()[:-1]), 1)
+        return self.torch.as_strided(flat, shape, stride, (v.data_ptr() - self.base)).numpy()
+
+    def write(self, flat: Any, ids: list[list[int]], content: Content, tokens: int | None = None) -> None:
+        """Write ``content`` into the blocks ``ids`` (per transfer group) of this rank; attention cells only for
+        the first ``tokens`` tokens when given (what a transfer covers)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        for name in self.kv_caches:
+            g = self.group_of.get(name)
+            if g is None or g >= len(ids) or not ids[g]:
+                continue
+            spec, region, view = self.specs[name], self.region_of[name], self.bytes_view(name, flat)
+            if isinstance(spec, MambaSpec):
+                share = content.state_share(region, g, spec, self.rank, self.tp)
+                for b in ids[g]:
+                    view[b, 0, 0, : share.size] = share
+                continue
+            ppl = view.shape[0] // self.num_blocks
+            kb, local_heads, cell = view.shape[2], view.shape[1], view.shape[3]
+            total_heads = (
+                local_heads * self.tp if spec.num_kv_heads > 1 or type(spec).__name__ == "FullAttentionSpec" else 1
+            )
+            heads = [self.rank * total_heads // self.tp + h for h in range(local_heads)] if total_heads > 1 else [0]
+            cells = content.cells(region, g, total_heads, cell)
+            limit = content.tokens if tokens is None else min(tokens, content.tokens)
+            kernel = [b * ppl + k for b in ids[g] for k in range(ppl)]
+            for j, k in enumerate(kernel):
+                n = min(kb, limit - j * kb)
+                if n <= 0:
+                    break
+                view[k, :, :n, :] = cells[j * kb : j * kb + n, heads].transpose(1, 0, 2)
+
+    def snapshot(self) -> Any:
+        return self.flat.clone()
+
+
+# ---------------------------------------------------------------------------------------------- worker process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_main(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
+    try:
+        _worker(spec, rank, dist_port, conn)
+    except BaseException as exc:  # report, never hang the test
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+
+
+def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    vc, kv_cfg, specs = build(spec)
+    with set_current_vllm_config(vc):
+        init_distributed_environment(
+            world_size=spec.tp,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(spec.tp, 1)
+        connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cfg)
+        kernel = [
+            KB if isinstance(g.kv_cache_spec, MLAAttentionSpec) or spec.model == "gqa" else g.kv_cache_spec.block_size
+            for g in kv_cfg.kv_cache_groups
+        ]
+        kv_caches = allocate_kv_cache(
+            kv_cfg, torch.device("cpu"), KVCacheLayout[vc.cache_config.kv_cache_layout], kernel
+        )
+        mem = Memory(kv_caches, kv_cfg, specs, spec.tp, rank)
+        garbage = _rand(spec.seed, (7, zlib.crc32(spec.engine_id.encode()), rank), mem.flat.numel())
+        mem.flat.copy_(torch.from_numpy(garbage))  # every byte starts as garbage: untouched ones must stay so
+        connector.register_kv_caches(kv_caches)
+        conn.send(("ok", {"blocks": kv_cfg.num_blocks}))
+        before: Any = mem.snapshot()
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                connector.shutdown()
+                conn.send(("ok", None))
+                return
+            if cmd == "fill":  # the prefill's "forward": its requests' KV shares land in their blocks
+                for ids, index, tokens in args[0]:
+                    mem.write(mem.flat, ids, Content(spec.seed, index, tokens))
+                before = mem.snapshot()
+                conn.send(("ok", None))
+            elif cmd == "mark":
+                before = mem.snapshot()
+                conn.send(("ok", None))
+            elif cmd == "step":
+                meta = args[0]
+                t0 = time.perf_counter()
+                connector.bind_connector_metadata(meta)
+                connector.start_load_kv(None)
+                connector.wait_for_save()
+                res = connector.get_transfer_results(set())
+                invalid = connector.get_block_ids_with_load_errors()
+                stats = connector.get_kv_connector_stats()
+                connector.clear_connector_metadata()
+                dt = time.perf_counter() - t0
+                conn.send(
+                    (
+                        "ok",
+                        (
+                            set(res.finished_sending),
+                            set(res.finished_recving),
+                            set(res.failed_recving),
+                            invalid,
+                            None if stats is None else stats.data,
+                            dt,
+                        ),
+                    )
+                )
+            elif cmd == "verify":  # every byte: what landed, and that nothing else changed
+                expected = before.clone()
+                for ids, index, tokens, moved in args[0]:
+                    mem.write(expected, ids, Content(spec.seed, index, tokens), moved)
+                now = mem.flat.numpy()
+                want = expected.numpy()
+                diff = np.flatnonzero(now != want)
+                msg = None if diff.size == 0 else f"{diff.size} bytes differ; first at byte {int(diff[0])}"
+                conn.send(("ok", (msg, int(now.size))))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+
+
+class Workers:
+    """An engine's worker processes."""
+
+    def __init__(self, spec: EngineSpec, timeout_s: float = 240.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self.timeout_s = timeout_s
+        dist_port = _free_port()
+        self.conns = []
+        self.procs = []
+        for r in range(spec.tp):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(spec, r, dist_port, b), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        self.gather()
+
+    def gather(self) -> list[Any]:
+        out = []
+        for r, c in enumerate(self.conns):
+            if not c.poll(self.timeout_s):
+                raise TimeoutError(f"{self.spec.engine_id} rank {r}: no answer within {self.timeout_s} s")
+            kind, value = c.recv()
+            if kind != "ok":
+                raise RuntimeError(f"{self.spec.engine_id} rank {r}: {value}")
+            out.append(value)
+        return out
+
+    def call(self, *cmd: Any) -> list[Any]:
+        for c in self.conns:
+            c.send(cmd)
+        return self.gather()
+
+    def close(self) -> None:
+        try:
+            self.call("stop")
+        except Exception:
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+@dataclass
+class Engine:
+    """A real vLLM ``Scheduler`` with the connector's scheduler half, and its workers."""
+
+    spec: EngineSpec
+    workers: Workers
+    vc: Any
+    kv_cfg: Any
+    scheduler: Any
+    pending: dict[str, dict[str, int]] = field(default_factory=lambda: {"send": {}, "recv": {}})
+    outputs: dict[str, Any] = field(default_factory=dict)
+    metas: list[Any] = field(default_factory=list)
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    worker_step_s: float = 0.0
+    fills: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (content index, tokens)
+
+    @classmethod
+    def start(cls, spec: EngineSpec) -> Engine:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        workers = Workers(spec)
+        vc, kv_cfg, _ = build(spec)
+        vc.cache_config.num_gpu_blocks = kv_cfg.num_blocks
+        sched = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kv_cfg,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=spec.logical_block_size,
+        )
+        return cls(spec, workers, vc, kv_cfg, sched)
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, request_id: str, tokens: list[int], params: dict[str, Any] | None, index: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=1 if params and params.get("do_remote_decode") else 2)
+        sp.update_from_generation_config({}, 50256)
+        req = Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None)
+        req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+        self.fills[request_id] = (index, len(tokens))
+        return req
+
+    def step(self) -> dict[str, Any]:
+        """One engine step; returns the finished requests' ``kv_transfer_params`` by request id."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        if self.spec.mode and so.scheduled_new_reqs:  # the prefill "forward": fill the new requests' blocks
+            fills = []
+            for new in so.scheduled_new_reqs:
+                if new.req_id in self.fills and self._is_prefill(new.req_id):
+                    index, tokens = self.fills[new.req_id]
+                    ids = self.connector.scheduler.clip(self.scheduler.kv_cache_manager.get_block_ids(new.req_id))
+                    fills.append((ids, index, tokens))
+            if fills:
+                self.workers.call("fill", fills)
+        results = self.workers.call("step", meta)
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        for s, r, f, inv, stats, dt in results:
+            self.worker_step_s += dt
+            for kind, ids, done in (("send", s, sending), ("recv", r, recving)):
+                for rid in ids:
+                    n = self.pending[kind].get(rid, 0) + 1
+                    if n == self.spec.tp:
+                        self.pending[kind].pop(rid, None)
+                        done.add(rid)
+                    else:
+                        self.pending[kind][rid] = n
+            failed |= f
+            invalid |= inv
+            if stats:
+                self.stats.append(stats)
+        req_ids = list(so.num_scheduled_tokens)
+        kv_out = KVConnectorOutput(
+            finished_sending=sending or None,
+            finished_recving=recving or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
+        )
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kv_out,
+        )
+        finished: dict[str, Any] = {}
+        for eco in self.scheduler.update_from_output(so, mro).values():
+            for out in eco.outputs:
+                if out.finish_reason is not None:
+                    finished[out.request_id] = out.kv_transfer_params
+        self.outputs.update(finished)
+        return finished
+
+    def _is_prefill(self, rid: str) -> bool:
+        req = self.scheduler.requests.get(rid)
+        return bool(req is not None and req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"))
+
+    def idle(self) -> bool:
+        return not self.scheduler.requests and not any(self.pending.values())
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def run_until(engines: list[Engine], done: Any, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > end:
+            raise TimeoutError("engines did not reach the expected state in time")
+        for e in engines:
+            e.step()
+
+
+def prompt(index: int, n: int) -> list[int]:
+    return [(index * 131 + i * 7) % 1000 + 1 for i in range(n)]
+
+
+def cpu_count_ok() -> bool:
+    return (os.cpu_count() or 1) >= 1
