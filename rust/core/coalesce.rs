@@ -34,6 +34,7 @@ use super::descs::{DescTable, StridedRow};
 use super::error::LayoutError;
 use super::region::RegionTable;
 use super::remote::hosts_attention;
+use super::state_rows::with_state_rows;
 
 /// Largest chunk is `2^MAX_CHUNK_LOG2` = 64 units.
 ///
@@ -127,7 +128,8 @@ pub fn with_chunk_rows(
 }
 
 impl RegionTable {
-    /// [`RegionTable::local_table`] with chunk rows for every attention region whose units are dense in it.
+    /// [`RegionTable::local_table`] with chunk rows for every attention region whose units are dense in it, then
+    /// one whole-state row per SSM region (`state_rows.rs`).
     ///
     /// This is the base local table of every coalescing [`PeerPlan`](super::plan::PeerPlan) at this `bsr`
     /// (unless its tables would outgrow int32 ids): it depends on the local rank alone, so it can be prepped
@@ -151,7 +153,9 @@ impl RegionTable {
             .iter()
             .map(|r| hosts_attention(r.group, &self.groups))
             .collect();
-        Ok(with_chunk_rows(&table, &starts, &counts, &eligible).0)
+        let chunked = with_chunk_rows(&table, &starts, &counts, &eligible).0;
+        let streams = self.conv_split.as_ref().map_or(0, |s| s.num_streams());
+        Ok(with_state_rows(&chunked, self.ssm_regions.len(), streams).map_or(chunked, |(t, _)| t))
     }
 }
 

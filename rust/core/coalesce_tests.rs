@@ -108,7 +108,8 @@ fn compare(s: &Scenario) -> (usize, usize) {
 }
 
 /// Coalesced tables are the reference tables plus chunk rows, each a run of `2^j` units (`1 <= j <= J`) of a
-/// dense attention row of the reference table; every row has `len <= stride`.
+/// dense attention row of the reference table, then whole-state rows, each joining one SSM region's piece
+/// rows; every row has `len <= stride`.
 fn check_tables(c: &PeerPlan, r: &PeerPlan) {
     for (tc, tr) in tables(c).zip(tables(r)) {
         assert!(tc.rows.iter().all(|x| x.len <= x.stride), "{:?}", tc.rows);
@@ -120,7 +121,27 @@ fn check_tables(c: &PeerPlan, r: &PeerPlan) {
             .filter(|(_, &s)| s < tr.num_fa)
             .map(|(u, _)| *u)
             .collect();
+        let pieces: Vec<_> = tr
+            .rows
+            .iter()
+            .zip(tr.row_starts())
+            .filter(|(_, &s)| s >= tr.num_fa)
+            .map(|(p, _)| *p)
+            .collect();
         for x in &tc.rows[tr.rows.len()..] {
+            if let Some(first) = pieces.iter().position(|p| p.addr == x.addr && p.len < x.len) {
+                // A whole-state row: the region's pieces from `first` on, adjacent, summing to its length.
+                let mut end = x.addr;
+                for p in &pieces[first..] {
+                    if p.addr != end || end >= x.addr + x.len {
+                        break;
+                    }
+                    assert_eq!((p.stride, p.count, p.device), (x.stride, x.count, x.device));
+                    end += p.len;
+                }
+                assert_eq!(end, x.addr + x.len, "state row {x:?} is not its pieces joined");
+                continue;
+            }
             let unit = attention.iter().find(|u| {
                 u.len == u.stride && x.addr >= u.addr && x.addr + x.stride * x.count <= u.addr + u.len * u.count
             });
@@ -215,10 +236,11 @@ fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
                     whole && !attention.is_empty(),
                     "{attn} P{p} D{d} {mode}"
                 );
-                // The base table depends on the local rank alone: chunk rows for both dense attention regions.
+                // The base table depends on the local rank alone: chunk rows for both dense attention regions, a
+                // whole-state row for both SSM regions.
                 let base = &pc.local_tables[0].1;
                 assert_eq!(base, &locals[i].table.coalesced_local_table(1).unwrap());
-                assert_eq!(base.rows.len() - pr.local_tables[0].1.rows.len(), 2 * 126);
+                assert_eq!(base.rows.len() - pr.local_tables[0].1.rows.len(), 2 * 126 + 2);
                 // Split tables: 126 chunk rows per attention region when it is kept whole, else none.
                 let splits = pc.local_tables.iter().zip(&pr.local_tables).skip(1);
                 for ((_, tc), (_, tr)) in splits {
@@ -226,10 +248,12 @@ fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
                     let want = if whole && !attention.is_empty() { 2 * 126 } else { 0 };
                     assert_eq!(added, want, "{attn} P{p} D{d} {mode}");
                 }
-                // Remote tables: the same, for the ranks attention is exchanged with; SSM-only ranks get none.
+                // Remote tables: the same, for the ranks attention is exchanged with (SSM-only ranks get none),
+                // and with equal TP a whole-state row for both SSM regions.
                 for ((rank, tc), (_, tr)) in pc.remote_tables.iter().zip(&pr.remote_tables) {
                     let added = tc.rows.len() - tr.rows.len();
-                    let want = if whole && attention.contains(rank) { 2 * 126 } else { 0 };
+                    let chunks = if whole && attention.contains(rank) { 2 * 126 } else { 0 };
+                    let want = chunks + if p == d { 2 } else { 0 };
                     assert_eq!(added, want, "{attn} P{p} D{d} {mode} remote rank {rank}");
                 }
             }

@@ -32,6 +32,7 @@ use super::plan_routes::{routes, Route};
 use super::region::{GroupKind, RegionTable};
 use super::remote::{hosts_attention, remote_table};
 use super::split::split_table;
+use super::state_rows::with_state_rows;
 use super::tp::{TpMapping, MAX_TP_SIZE};
 use super::trim::{trim, GroupTrim};
 use super::units::BlockUnits;
@@ -416,10 +417,26 @@ impl PeerPlan {
         } else {
             vec![None; region_groups.len()]
         };
+        let streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams());
+        let states = if coalesce {
+            add_state_rows(&mut local_tables, &mut remote_tables, local.ssm_regions.len(), streams)
+        } else {
+            None
+        };
+        // SSM slots: one per whole state where both sides have state rows, else one per piece.
+        let ssm_bases: Vec<(u64, u64)> = match &states {
+            Some((l, r)) => l.iter().copied().zip(r.iter().copied()).collect(),
+            None => local_space
+                .ssm_start
+                .iter()
+                .copied()
+                .zip(remote_space.ssm_start.iter().copied())
+                .collect(),
+        };
         let slots = Slots::new(
             &groups,
             &region_groups,
-            ssm_streams,
+            &ssm_bases,
             (&local_space, &remote_space),
             &chunks,
         );
@@ -684,6 +701,38 @@ fn add_chunk_rows(
         }
     }
     chunks
+}
+
+/// Append whole-state rows (`state_rows.rs`) to the base local table (always, as
+/// [`RegionTable::coalesced_local_table`] does) and, when the routes use the base table for SSM state (no split
+/// tables) and every remote table's pieces are contiguous too (equal TP), to the remote tables. Returns the
+/// flat id of each SSM region's first state on both sides when plans use them.
+fn add_state_rows(
+    local_tables: &mut [(TableKey, DescTable)],
+    remote_tables: &mut [(u32, DescTable)],
+    regions: usize,
+    streams: usize,
+) -> Option<(Vec<u64>, Vec<u64>)> {
+    let (base, local_starts) = with_state_rows(&local_tables[0].1, regions, streams)?;
+    if base.len() > ID_LIMIT {
+        return None;
+    }
+    local_tables[0].1 = base;
+    if local_tables.len() > 1 {
+        return None; // SSM state moves through split tables, in shares
+    }
+    let remote: Vec<(DescTable, Vec<u64>)> = remote_tables
+        .iter()
+        .map(|(_, t)| with_state_rows(t, regions, streams).filter(|(t, _)| t.len() <= ID_LIMIT))
+        .collect::<Option<_>>()?;
+    let remote_starts = remote.first()?.1.clone();
+    if remote.iter().any(|(_, s)| *s != remote_starts) {
+        return None;
+    }
+    for ((_, t), (joined, _)) in remote_tables.iter_mut().zip(remote) {
+        *t = joined;
+    }
+    Some((local_starts, remote_starts))
 }
 
 impl Plan {

@@ -37,7 +37,7 @@ struct AttnSlot {
     chunks: Option<(usize, (u64, u64))>,
 }
 
-/// One SSM stream's ids of one group.
+/// One SSM piece's (or whole state's) ids of one group.
 #[derive(Debug, Clone, Copy)]
 struct SsmSlot {
     group: usize,
@@ -70,12 +70,13 @@ pub(crate) struct Windows<'a> {
 }
 
 impl Slots {
-    /// Slots of `region_groups` (attention groups per region) and of `ssm_streams` streams per SSM group;
+    /// Slots of `region_groups` (attention groups per region) and, per SSM group, one slot per entry of
+    /// `ssm_bases` (the flat `(local, remote)` starts of every SSM piece row, or of every whole-state row);
     /// `chunks` are the per-region chunk starts of the coalesced regions.
     pub(crate) fn new(
         groups: &[GroupKind],
         region_groups: &[Vec<usize>],
-        ssm_streams: usize,
+        ssm_bases: &[(u64, u64)],
         (local, remote): (&IdSpace, &IdSpace),
         chunks: &[Option<(ChunkStarts, ChunkStarts)>],
     ) -> Slots {
@@ -115,13 +116,11 @@ impl Slots {
         }
         let ssm_groups: Vec<usize> = (0..groups.len()).filter(|&g| groups[g] == GroupKind::Ssm).collect();
         for &g in &ssm_groups {
-            slot_counts[g].1 = ssm_streams;
+            slot_counts[g].1 = ssm_bases.len();
         }
-        let ssm = (0..ssm_streams)
-            .flat_map(|s| {
-                let start = (local.ssm_start[s], remote.ssm_start[s]);
-                ssm_groups.iter().map(move |&group| SsmSlot { group, start })
-            })
+        let ssm = ssm_bases
+            .iter()
+            .flat_map(|&start| ssm_groups.iter().map(move |&group| SsmSlot { group, start }))
             .collect();
         Slots {
             attn,
@@ -280,7 +279,7 @@ mod tests {
         let groups = [GroupKind::Attention];
         let region_groups = vec![vec![0], vec![0], vec![0]];
         let space = IdSpace::new(&counts, 150, 0, 1, 1, 16, 40, &region_groups, &groups);
-        let slots = Slots::new(&groups, &region_groups, 0, (&space, &space), &chunks);
+        let slots = Slots::new(&groups, &region_groups, &[], (&space, &space), &chunks);
         assert_eq!(slots.layouts.len(), 2);
         // Runs of 12, 8 and 2 units consecutive on both sides: three 4-unit chunks, one 8 and one 2.
         let lids = vec![(0..20).chain([30, 31]).collect::<Vec<u64>>()];

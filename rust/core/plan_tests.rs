@@ -191,10 +191,16 @@ fn f2_example_descriptor_ids() {
     assert_eq!(t.local_ids, want);
     assert_eq!(t.remote_ids, want);
     // Coalesced: each MLA run 3, 4, 5 has odd length, so it keeps its plain ids (NIXL merges them into one
-    // descriptor either way); a two-block request makes each run 6 units: three 2-unit chunk ids.
+    // descriptor either way). Equal TP: each KDA state is one whole-state id (48 + 64 bytes) instead of its
+    // four pieces. A two-block request makes each MLA run 6 units: three 2-unit chunk ids.
     let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![1], vec![2], vec![3]], &[vec![1], vec![2], vec![3]]);
-    let (c, _) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
-    assert_eq!(c.transfers[0].local_ids, want);
+    let (c, peer) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
+    let t = &c.transfers[0];
+    assert_eq!((&t.local_ids[..6], t.local_ids.len()), (&want[..6], 6 + 2 * 2));
+    let whole = peer.local_table(TableKey::Whole).unwrap();
+    for &id in &t.local_ids[6..] {
+        assert_eq!(whole.desc(id as u64).map(|(_, len)| len), Some(48 + 64));
+    }
     let ids: (&[Vec<u64>], &[Vec<u64>]) = (&[vec![1, 2], vec![3], vec![0]], &[vec![1, 2], vec![3], vec![0]]);
     let (c, peer) = check_coalesced(&local, &remotes, TransferMode::Pull, ids);
     let t = &c.transfers[0];
