@@ -262,3 +262,88 @@ fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
         }
     }
 }
+
+/// Descriptors NIXL posts for `ids` after its merge: a pair continues the previous one when both its ids are
+/// the next index in the same dense row (`len == stride`) of their table (`make_prepped_xfer`).
+fn nixl_merged(local: &DescTable, remote: &DescTable, local_ids: &[i32], remote_ids: &[i32]) -> usize {
+    let dense_row = |t: &DescTable, id: i32| {
+        let i = t.row_starts().partition_point(|&s| s <= id as u64) - 1;
+        (t.rows[i].len == t.rows[i].stride).then_some(i)
+    };
+    let mut posted = 0;
+    let mut prev: Option<(i32, i32, usize, usize)> = None;
+    for (&l, &r) in local_ids.iter().zip(remote_ids) {
+        let rows = dense_row(local, l).zip(dense_row(remote, r));
+        let merges = matches!((prev, rows), (Some((pl, pr, a, b)), Some((c, d))) if l == pl + 1 && r == pr + 1 && a == c && b == d);
+        if !merges {
+            posted += 1;
+        }
+        prev = rows.map(|(a, b)| (l, r, a, b));
+    }
+    posted
+}
+
+/// Every transfer of every posting rank: descriptors NIXL posts after merging, coalesced and reference.
+fn merged_counts(s: &Scenario) -> (usize, usize) {
+    let (c, r) = (Deployment::build(s).unwrap(), Deployment::build_with(s, false).unwrap());
+    let (pc, pr) = (c.plan_all().unwrap(), r.plan_all().unwrap());
+    let count = |dep: &Deployment, plans: &[super::scenario::RankPlan]| -> usize {
+        plans
+            .iter()
+            .flat_map(|p| p.plan.transfers.iter().map(move |t| (p.local_rank, t)))
+            .map(|(rank, t)| {
+                let peer = &dep.peers[rank as usize];
+                let (lt, rt) = (
+                    peer.local_table(t.local_table).unwrap(),
+                    peer.remote_table(t.remote_table).unwrap(),
+                );
+                nixl_merged(lt, rt, &t.local_ids, &t.remote_ids)
+            })
+            .sum()
+    };
+    (count(&c, &pc), count(&r, &pr))
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+    /// Coalescing never makes NIXL post more descriptors than the reference ids do after NIXL's own merge,
+    /// for MLA, GQA and SSM groups, equal and different TP, pull and push, contiguous and fragmented requests.
+    #[test]
+    fn coalesced_plans_never_post_more_descriptors_than_the_merged_reference(
+        attn in proptest::sample::select(vec!["mla", "gqa"]),
+        tp in proptest::sample::select(vec![(1u32, 1u32), (2, 1), (1, 2), (2, 2)]),
+        push in proptest::bool::ANY,
+        runs in proptest::collection::vec((1u64..9, 0u64..3), 1..6),
+    ) {
+        // Runs of consecutive blocks separated by gaps of 0-2 blocks, the same on both sides but shifted.
+        let mut ids = Vec::new();
+        let mut next = 3;
+        for (len, gap) in runs {
+            ids.extend(next..next + len);
+            next += len + gap;
+        }
+        let shifted: Vec<u64> = ids.iter().map(|b| b + 5).collect();
+        let req = (format!("[{ids:?}, [{}]]", ids[0]), format!("[{shifted:?}, [{}]]", shifted[0]));
+        let tensors: &[&[&str]] = &[&[attn], &["ssm"], &[attn], &["ssm"]];
+        let mode = if push { "push" } else { "pull" };
+        let s = scenario(&[attn, "ssm"], tensors, (tp.0, 200), (tp.1, 200), mode, (&req.0, &req.1));
+        let (coalesced, reference) = merged_counts(&s);
+        proptest::prop_assert!(coalesced <= reference, "{coalesced} > {reference} for {req:?} {tp:?} {mode}");
+    }
+}
+
+#[test]
+fn equal_tp_ssm_states_post_one_descriptor_each() {
+    // MLA + SSM, TP 1 -> 1: one block per request and group: 2 regions x (1 MLA run + 1 state) = 4 after the
+    // merge, against 2 x (1 + 4 pieces) = 10 for the reference.
+    let tensors: &[&[&str]] = &[&["mla"], &["ssm"], &["mla"], &["ssm"]];
+    let s = scenario(
+        &["mla", "ssm"],
+        tensors,
+        (1, 200),
+        (1, 200),
+        "pull",
+        ("[[7], [9]]", "[[8], [10]]"),
+    );
+    assert_eq!(merged_counts(&s), (4, 10));
+}
