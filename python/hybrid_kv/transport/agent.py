@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 from nixl._api import nixl_agent, nixl_agent_config
 
+from ..hugepages import HugePageReport, advise_huge_pages
 from .netif import ucx_restricted_to
 from .tables import DescTable, expand_strided, registration_array
 
@@ -79,6 +80,7 @@ class Agent:
         self.local: dict[str, Any] = {}
         self.zombies: list[Any] = []
         self.metadata = b""
+        self.huge_pages: HugePageReport | None = None
         self._reg: Any = None
         self._reg_rows = np.zeros((0, 3), dtype=np.uint64)
 
@@ -89,15 +91,20 @@ class Agent:
         backend: str,
         ucx_error_handling_mode: str,
         net_device: str | None = None,
+        huge_pages: str = "off",
     ) -> None:
         """Create the backend, register ``registration`` once and prep every local table once.
 
         ``net_device`` is the one network interface UCX may use and listen on (``None``: any); see ``netif``.
+        ``huge_pages`` (``"off"``, ``"advise"``, ``"collapse"``) advises ``DRAM`` regions to transparent huge
+        pages first, and with ``"collapse"`` moves their faulted-in pages onto huge pages (``hybrid_kv.hugepages``).
         """
         params = {"ucx_error_handling_mode": ucx_error_handling_mode} if backend == "UCX" else {}
         with ucx_restricted_to(net_device):
             self.nixl.create_backend(backend, params)
         self._reg_rows = registration_array(registration)
+        if huge_pages != "off" and self.mem_type == "DRAM":
+            self.huge_pages = advise_huge_pages(self._reg_rows, collapse=huge_pages == "collapse")
         self._reg = self.nixl.register_memory(self._reg_rows, self.mem_type)
         self.tables = {key: DescTable(key, np.asarray(rows)) for key, rows in local_tables.items()}
         for key, table in self.tables.items():

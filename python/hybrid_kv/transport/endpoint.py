@@ -26,6 +26,7 @@ from typing import Any
 import numpy.typing as npt
 import zmq
 
+from ..hugepages import HugePageReport
 from . import netif
 from .agent import Agent, log
 from .auth import resolve_secret
@@ -65,6 +66,12 @@ class Endpoint:
         backend: NIXL backend plugin.
         ucx_error_handling_mode: ``"peer"`` (default) turns a dead peer into an error instead of a
             hang, at the cost of excluding shared-memory transports that cannot report it.
+        huge_pages: ``DRAM`` registrations and transparent huge pages (``hybrid_kv.hugepages``: CMA moves
+            huge pages about twice as fast as 4 KiB pages). ``"advise"`` (default) asks for huge pages on
+            later faults (free); ``"collapse"`` also moves pages already faulted in onto huge pages now (about
+            one copy of the regions at start-up; for pools not allocated with ``hybrid_kv.hugepages.zeros``);
+            ``"off"`` leaves the memory alone. What happened is in ``Endpoint.huge_pages``; memory contents
+            never change.
 
     Raises:
         ValueError: a side channel without a secret (and not ``insecure``), a secret too short, or a
@@ -88,8 +95,11 @@ class Endpoint:
         insecure: bool = False,
         backend: str = "UCX",
         ucx_error_handling_mode: str = "peer",
+        huge_pages: str = "advise",
     ) -> None:
         who = f"endpoint {name!r}"
+        if huge_pages not in ("off", "advise", "collapse"):
+            raise ValueError(f"{who}: huge_pages must be 'off', 'advise' or 'collapse', got {huge_pages!r}")
         self._key = resolve_secret(secret, insecure=insecure, required=listen is not None, what=who)
         net_device = netif.interface_of(netif.listen_host(listen))
         self.name = name
@@ -116,7 +126,7 @@ class Endpoint:
         self._requests = InFlight(self._agent, self._peers)
         self._inbox = Inbox(self._agent, self._requests)
         try:
-            self._agent.open(registration, local_tables, backend, ucx_error_handling_mode, net_device)
+            self._agent.open(registration, local_tables, backend, ucx_error_handling_mode, net_device, huge_pages)
             if listen is not None:
                 self._server = SideChannelServer(
                     self._ctx, listen, self._serve_meta, self._on_control, name=name, key=self._key
@@ -141,6 +151,11 @@ class Endpoint:
         if self._server is None:
             raise HandshakeError(f"endpoint {self.name!r} has no side channel")
         return self._server.address
+
+    @property
+    def huge_pages(self) -> HugePageReport | None:
+        """What advising the registered regions to huge pages did (``None``: ``"off"``, or not ``DRAM``)."""
+        return self._agent.huge_pages
 
     @property
     def strided_rows_supported(self) -> bool:
