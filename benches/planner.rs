@@ -244,6 +244,11 @@ fn bench_plan_request(c: &mut Criterion) {
                 "kimi_linear_pull_p1_d2",
                 kimi_linear_scenario(1, 2, TransferMode::Pull, tokens),
             ),
+            // Equal TP: every KDA state is one whole-state id (state_rows.rs).
+            (
+                "kimi_linear_pull_p1_d1",
+                kimi_linear_scenario(1, 1, TransferMode::Pull, tokens),
+            ),
             (
                 "kimi_linear_pull_p8_d1",
                 kimi_linear_scenario(8, 1, TransferMode::Pull, tokens),
@@ -273,6 +278,12 @@ fn bench_plan_request(c: &mut Criterion) {
             let mut out = plan.clone();
             g.bench_function(BenchmarkId::new("plan_into", &id), |b| {
                 b.iter(|| peer.plan_into(black_box(local), black_box(remote), &mut out).unwrap())
+            });
+            // The reference plan (`coalesce=False`: one id per unit and per SSM piece), for comparison.
+            let reference = Deployment::build_with(s, false).unwrap();
+            let peer_ref = &reference.peers[0];
+            g.bench_function(BenchmarkId::new("plan_reference", &id), |b| {
+                b.iter(|| peer_ref.plan(black_box(local), black_box(remote)).unwrap())
             });
         }
     }
