@@ -1,4 +1,4 @@
-//! Two digests both sides compute: the model compatibility hash (reference E.2) and the geometry
+//! Two digests both sides compute: the model compatibility hash and the geometry
 //! fingerprint, a digest of the region-layout facts that must be equal whatever the two TP sizes are.
 //!
 //! What is TP-invariant (in the fingerprint): region names, count and order; per-region MLA flag and group;
@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 use crate::core::meta::{AgentMeta, TransferMode, META_VERSION};
 use crate::core::region::GroupKind;
 
-/// The model facts hashed into the compatibility hash (E.2). TP size, block sizes and layout are
+/// The model facts hashed into the compatibility hash. TP size, block sizes and layout are
 /// deliberately absent: they are validated field by field.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ModelFactors {
@@ -49,9 +49,18 @@ fn hex_digest(domain: &str, body: &[u8]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Hex SHA-256 over the crate version, the metadata version and the model factors.
+/// Hex SHA-256 over the handshake wire-format version ([`META_VERSION`]) and the model factors.
+///
+/// The package version is deliberately not hashed: two releases that speak the same wire format (a rolling
+/// upgrade of patch versions) must keep handshaking. A change to what the metadata means bumps
+/// [`META_VERSION`], which changes every hash.
 pub fn compat_hash(factors: &ModelFactors) -> String {
-    let body = serde_json::to_vec(&(env!("CARGO_PKG_VERSION"), META_VERSION, factors)).unwrap_or_default();
+    compat_hash_for(META_VERSION, factors)
+}
+
+/// [`compat_hash`] as a given wire-format version computes it.
+pub fn compat_hash_for(wire_version: u32, factors: &ModelFactors) -> String {
+    let body = serde_json::to_vec(&(wire_version, factors)).unwrap_or_default();
     hex_digest("hybrid-kv/compat", &body)
 }
 

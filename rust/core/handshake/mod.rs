@@ -4,7 +4,7 @@
 //! * [`encode`] / [`decode`]: versioned msgpack; decoding treats the bytes as hostile (bounded pre-scan,
 //!   version read first, internal consistency checked).
 //! * [`compat_hash`] over the model factors, and [`fingerprint`] over the TP-invariant region geometry.
-//! * [`validate`] / [`validate_expected`] / [`findings`]: the checks of reference E.3, all reported at once.
+//! * [`validate`] / [`validate_expected`] / [`findings`]: every check, all reported at once.
 
 mod codec;
 mod error;
@@ -21,7 +21,7 @@ mod validate_tests;
 
 pub use codec::{decode, encode};
 pub use error::{Finding, HandshakeError};
-pub use fingerprint::{compat_hash, fingerprint, GeometryKey, ModelFactors, Ratio};
+pub use fingerprint::{compat_hash, compat_hash_for, fingerprint, GeometryKey, ModelFactors, Ratio};
 pub use pairs::{check_pairs, PairVerdict};
 pub use scan::{prescan, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
 pub use validate::{findings, validate, validate_expected, Expected, HEAD_CONTIGUOUS_LAYOUTS};

@@ -1,4 +1,4 @@
-//! Validation tests: reference F.6, one negative test per check, several findings at once, fingerprints.
+//! Validation tests: one negative test per check, several findings at once, fingerprints.
 
 use proptest::prelude::*;
 
@@ -414,4 +414,19 @@ proptest! {
             prop_assert!(validate(&local, &remote).is_err());
         }
     }
+}
+
+#[test]
+fn compat_hash_covers_the_wire_format_version_not_the_package_version() {
+    use crate::core::handshake::{compat_hash, compat_hash_for, ModelFactors};
+    use crate::core::meta::META_VERSION;
+    let f = ModelFactors::default();
+    // Pinned: every release speaking this wire format (a rolling upgrade of patch versions) computes exactly
+    // this; only a META_VERSION bump may change it (tests/test_compat_hash.py recomputes it from its definition).
+    assert_eq!(
+        compat_hash(&f),
+        "b112e127cca17d5c5ae90539cbd3f0ccd1d331492ba746221afb12286cb7f1a5"
+    );
+    assert_eq!(compat_hash(&f), compat_hash_for(META_VERSION, &f));
+    assert_ne!(compat_hash(&f), compat_hash_for(META_VERSION + 1, &f));
 }
