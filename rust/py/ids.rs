@@ -167,7 +167,11 @@ fn type_name(v: &Bound<'_, PyAny>) -> String {
 /// Push the leading items of `list` that are exact Python ints fitting in `i64` onto `out` and return how
 /// many were read (the generic path takes the rest, and raises the right error for an int too large);
 /// `Err` with the first negative id.
-#[cfg(not(any(Py_GIL_DISABLED, PyPy, GraalPy, Py_LIMITED_API)))]
+///
+/// Version-specific builds read list items directly (`PyList_GET_ITEM`, a field read); limited-API (abi3)
+/// builds call `PyList_GetItem` instead, a stable-ABI function (see [`list_item`]). Free-threaded, PyPy
+/// and GraalPy builds compile this out: their lists and ints may change under us or have another layout.
+#[cfg(not(any(Py_GIL_DISABLED, PyPy, GraalPy)))]
 fn exact_ints(list: &Bound<'_, PyList>, out: &mut Vec<u64>) -> Result<usize, i64> {
     use pyo3::ffi;
     let n = list.len();
@@ -178,8 +182,8 @@ fn exact_ints(list: &Bound<'_, PyList>, out: &mut Vec<u64>) -> Result<usize, i64
         // code runs between the length read and here (PyLong_AsLongLong on an exact int calls none, and an
         // error ends the loop), so the list cannot have shrunk and the borrowed item stays alive.
         let value = unsafe {
-            let item = ffi::PyList_GET_ITEM(ptr, i as ffi::Py_ssize_t);
-            if ffi::PyLong_CheckExact(item) == 0 {
+            let item = list_item(ptr, i as ffi::Py_ssize_t);
+            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
                 return Ok(i);
             }
             let v = ffi::PyLong_AsLongLong(item);
@@ -194,8 +198,38 @@ fn exact_ints(list: &Bound<'_, PyList>, out: &mut Vec<u64>) -> Result<usize, i64
     Ok(n)
 }
 
-/// Builds without a stable list layout read every item through the generic path.
-#[cfg(any(Py_GIL_DISABLED, PyPy, GraalPy, Py_LIMITED_API))]
+/// Item `i` of a list, borrowed: a direct field read where the list layout is known at build time.
+///
+/// # Safety
+/// The GIL is held, `list` is a list and `0 <= i < len(list)`.
+#[cfg(not(any(Py_GIL_DISABLED, PyPy, GraalPy, Py_LIMITED_API)))]
+#[inline(always)]
+unsafe fn list_item(list: *mut pyo3::ffi::PyObject, i: pyo3::ffi::Py_ssize_t) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: the caller's contract.
+    unsafe { pyo3::ffi::PyList_GET_ITEM(list, i) }
+}
+
+/// Item `i` of a list, borrowed, through the stable ABI (limited-API builds): `PyList_GetItem` checks the
+/// index and returns null (with `IndexError` set, cleared here) when it is out of range.
+///
+/// # Safety
+/// The GIL is held and `list` is a list.
+#[cfg(all(Py_LIMITED_API, not(any(Py_GIL_DISABLED, PyPy, GraalPy))))]
+#[inline(always)]
+unsafe fn list_item(list: *mut pyo3::ffi::PyObject, i: pyo3::ffi::Py_ssize_t) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: the caller's contract; a null result leaves no error set.
+    unsafe {
+        let item = pyo3::ffi::PyList_GetItem(list, i);
+        if item.is_null() {
+            pyo3::ffi::PyErr_Clear();
+        }
+        item
+    }
+}
+
+/// Builds whose lists or ints may change under us (free-threaded) or have another layout (PyPy, GraalPy)
+/// read every item through the generic path.
+#[cfg(any(Py_GIL_DISABLED, PyPy, GraalPy))]
 fn exact_ints(_list: &Bound<'_, PyList>, _out: &mut Vec<u64>) -> Result<usize, i64> {
     Ok(0)
 }
