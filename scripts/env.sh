@@ -20,10 +20,16 @@ fi
 
 stamp="$HYBRID_KV_VENV/.hybrid-kv-requirements.sha256"
 want="$(sha256sum "$HKV_ROOT/requirements-dev.txt" | cut -d' ' -f1)"
+# One progress line per package pip fetches or installs (a first run downloads torch: minutes).
+hkv_pip() {
+    python -m pip install --progress-bar off "$@" 2>&1 \
+        | { grep --line-buffered -E '^(Collecting|Downloading|Installing collected|Successfully installed|ERROR|error)' \
+            || true; } | sed -u 's/^/[hybrid-kv]   /' >&2
+}
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "[hybrid-kv] installing Python requirements (torch is large; this happens once per machine)" >&2
-    python -m pip install -q --upgrade pip
-    python -m pip install -q -r "$HKV_ROOT/requirements-dev.txt"
+    hkv_pip --upgrade pip
+    hkv_pip -r "$HKV_ROOT/requirements-dev.txt"
     echo "$want" > "$stamp"
 fi
 
@@ -31,9 +37,13 @@ if ! command -v cargo >/dev/null 2>&1; then
     echo "[hybrid-kv] error: cargo (Rust) is required to build the extension" >&2
     exit 1
 fi
-echo "[hybrid-kv] building the extension (maturin develop --release)" >&2
+# The version-specific build (feature `python`, not the wheel's `abi3`): it keeps the binding's fastest
+# block-id reading (README "Wheels"). One line per crate compiled (a first build compiles about 60: 1-3 min).
+echo "[hybrid-kv] building the extension (maturin develop --release -F python)" >&2
 build_log="$(mktemp)"
-if ! (cd "$HKV_ROOT" && rm -f python/hybrid_kv/_core*.so && maturin develop --release -q) >"$build_log" 2>&1; then
+if ! (cd "$HKV_ROOT" && rm -f python/hybrid_kv/_core*.so && maturin develop --release -F python 2>&1) \
+    | tee "$build_log" | { grep --line-buffered -E '^ *(Compiling|Finished)|Installed' || true; } \
+    | sed -u -E 's/^ */[hybrid-kv]   /' >&2; then
     cat "$build_log" >&2
     echo "[hybrid-kv] error: building the extension failed (output above)" >&2
     rm -f "$build_log"

@@ -24,7 +24,7 @@ from ._core import HybridKvError, LayoutError, encode_meta, handshake_findings
 from .layout import build_region_table
 from .presets import Preset, get_preset
 
-# Heuristics for "descriptor-bound" (reference H: UCX posts one work request per descriptor; #55434 measured
+# Heuristics for "descriptor-bound" (UCX posts one work request per descriptor; #55434 measured
 # descriptor posting at 57% of the transfer time with ~112k descriptors per transfer over cuda_ipc).
 SMALL_DESCRIPTOR_BYTES = 64 * 1024
 MANY_DESCRIPTORS = 100_000
@@ -116,7 +116,7 @@ def preflight(
     if kv_gib is None:
         kv_gib = TINY_KV_GIB if preset.tiny_of else DEFAULT_KV_GIB
     _check_bounds(tokens, kv_gib, num_blocks, prefill_tp, decode_tp, prefill_block_size, decode_block_size)
-    report = Report(preset.name, preset.description, preset.source, mode, tokens, {}, {})
+    report = Report(preset.name, preset.description, preset.source, mode, tokens, {"tp": prefill_tp}, {"tp": decode_tp})
     kb = {"prefill": prefill_block_size, "decode": decode_block_size}
     tps = {"prefill": prefill_tp, "decode": decode_tp}
     for side in ("prefill", "decode"):
@@ -249,7 +249,25 @@ def _check_kernel_blocks(side: str, blocks: int, ppl: int, from_kv_gib: bool) ->
         )
 
 
+def _ranks_text(role: str, ranks: list[int]) -> str:
+    """``decode rank 3``, ``decode ranks 0-7`` or ``decode ranks 0, 2, 5``."""
+    if len(ranks) == 1:
+        return f"{role} rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{role} ranks {ranks[0]}-{ranks[-1]}"
+    return f"{role} ranks {', '.join(map(str, ranks))}"
+
+
 def _warnings(report: Report, active: str) -> list[str]:
+    """One warning per distinct finding, naming every rank it applies to (ranks of one engine usually all
+    cost the same, and eight identical lines say less than one)."""
+    by_text: dict[tuple[str, str], list[int]] = {}
+    for role, rank, text in _rank_warnings(report):
+        by_text.setdefault((role, text), []).append(rank)
+    return [f"{_ranks_text(role, ranks)}: {text}" for (role, text), ranks in by_text.items()]
+
+
+def _rank_warnings(report: Report) -> list[tuple[str, int, str]]:
     out = []
     for rr in report.ranks:
         if not rr.posts or not rr.request_descriptors:
@@ -257,15 +275,23 @@ def _warnings(report: Report, active: str) -> list[str]:
         per = rr.request_bytes / rr.request_descriptors
         if per < SMALL_DESCRIPTOR_BYTES:
             out.append(
-                f"{rr.role} rank {rr.rank}: descriptor-bound: {rr.request_descriptors} descriptors of "
-                f"{per / 1024:.1f} KiB on average per {report.tokens}-token request (below "
-                f"{SMALL_DESCRIPTOR_BYTES // 1024} KiB, UCX posting rather than bandwidth limits the transfer); "
-                "a larger kernel block or fewer regions would help"
+                (
+                    rr.role,
+                    rr.rank,
+                    f"descriptor-bound: {rr.request_descriptors} descriptors of {per / 1024:.1f} KiB on average "
+                    f"per {report.tokens}-token request (below "
+                    f"{SMALL_DESCRIPTOR_BYTES // 1024} KiB, UCX posting rather than bandwidth limits the transfer); "
+                    "a larger kernel block or fewer regions would help",
+                )
             )
         elif rr.request_descriptors > MANY_DESCRIPTORS:
             out.append(
-                f"{rr.role} rank {rr.rank}: {rr.request_descriptors} descriptors per {report.tokens}-token request "
-                f"(above {MANY_DESCRIPTORS}); posting them will take a large share of the transfer time"
+                (
+                    rr.role,
+                    rr.rank,
+                    f"{rr.request_descriptors} descriptors per {report.tokens}-token request (above "
+                    f"{MANY_DESCRIPTORS}); posting them will take a large share of the transfer time",
+                )
             )
     return out
 
@@ -372,12 +398,12 @@ def print_report(report: Report) -> None:
     out = console()
     out.print(
         f"[bold]hybrid-kv check[/bold]: {report.preset} ({report.description}); prefill TP "
-        f"{report.prefill.get('tp', '?')} -> decode TP {report.decode.get('tp', '?')}, {report.mode}"
+        f"{report.prefill['tp']} -> decode TP {report.decode['tp']}, {report.mode}"
     )
     out.print(f"  source: {report.source}")
     for side in ("prefill", "decode"):
         s = getattr(report, side)
-        if s:
+        if "num_blocks" in s:
             out.print(
                 f"  {side:7}: TP {s['tp']}, logical block {s['logical_block_size']} tokens = {s['ppl']} x "
                 f"{s['kernel_block_size']}-token kernel blocks of {_size(s['kernel_page_bytes'])}, page "
@@ -409,7 +435,8 @@ def print_report(report: Report) -> None:
     if report.compatible:
         out.print("[bold green]COMPATIBLE[/bold green]: every handshake pair validates and every posting rank plans")
     else:
-        out.print(f"[bold red]INCOMPATIBLE[/bold red]: {len(report.reasons)} reason(s)")
+        n = len(report.reasons)
+        out.print(f"[bold red]INCOMPATIBLE[/bold red]: {n} reason{'' if n == 1 else 's'}")
         for r in report.reasons:
             out.print(f"  - {r}")
     for w in report.warnings:

@@ -3,7 +3,7 @@
 //! handshake metadata and peer plans, and planned request by request.
 //!
 //! Specs are global (total KV heads, total SSM conv width and temporal dim 0) and divided per rank as
-//! DESIGN §2b says. Every tensor's page is its attention sharers' page (all must agree), or the largest SSM
+//! docs/byte-layouts.md says. Every tensor's page is its attention sharers' page (all must agree), or the largest SSM
 //! state when it has no attention sharer; SSM sharers are padded to it. Addresses are synthetic: each rank's
 //! tensors are laid out back to back (4 KiB aligned, with a 4 KiB gap), prefill and decode far apart.
 
@@ -342,10 +342,11 @@ fn rank_layout(
         for l in &tensor.layers {
             let spec = specs.get(l.group as usize).ok_or_else(|| {
                 invalid(format!(
-                    "layer {} names group {} but the model has {} groups",
+                    "layer {} names group {} but the model has {} group{}",
                     l.name,
                     l.group,
-                    groups.len()
+                    groups.len(),
+                    if groups.len() == 1 { "" } else { "s" }
                 ))
             })?;
             if let LayerSpec::Ssm(ssm) = spec {

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
 
-from .._core import HybridKvError
+from .._core import HybridKvError, __version__
 from ._args import ArgumentError, OneLineParser
 
 EPILOG = """examples:
@@ -27,6 +29,32 @@ EPILOG = """examples:
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+EXTRA_OF_MODULE = {"torch": "torch", "nixl": "nixl", "zmq": "nixl"}
+"""Optional modules and the extra of ``pyproject.toml`` that installs each (zmq comes with ``nixl``)."""
+
+
+def install_hint(modules: Sequence[str]) -> str:
+    """``torch and zmq, which are not installed: pip install 'hybrid-kv[torch,nixl]'``."""
+    extras = list(dict.fromkeys(EXTRA_OF_MODULE.get(m, m) for m in modules))
+    names = ", ".join(modules[:-1]) + f" and {modules[-1]}" if len(modules) > 1 else modules[0]
+    which = "which is" if len(modules) == 1 else "which are"
+    return f"{names}, {which} not installed: pip install 'hybrid-kv[{','.join(extras)}]'"
+
+
+def require(*modules: str) -> None:
+    """Raise :class:`CliError` naming the extra to install when any of ``modules`` is not importable."""
+    missing = []
+    for m in modules:
+        try:
+            found = importlib.util.find_spec(m) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(m)
+    if missing:
+        raise CliError(f"needs {install_hint(missing)}")
 
 
 def one_line(message: str) -> str:
@@ -43,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"hybrid-kv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if mod.name.startswith("_"):
@@ -64,6 +93,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         status: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``hybrid-kv plan --json | head -1``): nothing to report. Point stdout at
+        # /dev/null so the interpreter's final flush does not complain either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except ModuleNotFoundError as e:
+        root = (e.name or "").partition(".")[0]
+        if root not in EXTRA_OF_MODULE:
+            raise
+        print(f"hybrid-kv {args.command}: error: needs {install_hint([root])}", file=sys.stderr)
+        return 2
     except (HybridKvError, CliError, OSError, json.JSONDecodeError) as e:
         print(f"hybrid-kv {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return 2

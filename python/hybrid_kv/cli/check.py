@@ -16,6 +16,7 @@ from typing import Any
 from ..preflight import PRESET_EXAMPLES, add_preset_arguments, run_preset
 from . import CliError
 from ._console import console as make_console
+from ._console import count
 from ._input import read_scenario
 
 EXAMPLES = (
@@ -43,14 +44,16 @@ def _summary_line(report: dict[str, Any]) -> str:
     p_tp, d_tp = report["tp"]
     setup = f"prefill TP {p_tp} -> decode TP {d_tp}, {report['mode']} ({report['local_side']} posts)"
     if s["compatible"]:
+        pairs = "the rank pair passes" if s["pairs"] == 1 else f"all {s['pairs']} rank pairs pass"
         return (
-            f"[bold green]COMPATIBLE[/bold green]: {setup}; all {s['pairs']} rank pair(s) pass the handshake checks; "
-            f"{s['requests']} request(s) plan into {s['transfers']} transfer(s), {s['bytes']} bytes"
+            f"[bold green]COMPATIBLE[/bold green]: {setup}; {pairs} the handshake checks; "
+            f"{count(s['requests'], 'request')} plan into {count(s['transfers'], 'transfer')}, "
+            f"{count(s['bytes'], 'byte')}"
         )
     findings = sum(len(p["findings"]) for p in report["pairs"])
     return (
-        f"[bold red]INCOMPATIBLE[/bold red]: {setup}; {s['incompatible_pairs']} of {s['pairs']} rank pair(s) fail "
-        f"with {findings} finding(s)"
+        f"[bold red]INCOMPATIBLE[/bold red]: {setup}; {s['incompatible_pairs']} of {count(s['pairs'], 'rank pair')} "
+        f"{'fails' if s['incompatible_pairs'] == 1 else 'fail'} with {count(findings, 'finding')}"
     )
 
 

@@ -9,9 +9,10 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import CliError
+from . import CliError, require
 from ._args import MAX_BLOCK_TOKENS, int_in, positive_float, positive_int
 from ._console import console as make_console
+from ._console import count
 
 MAX_DEMO_TP = 16
 """Largest TP size per engine: the demo starts one process per rank, each with its own torch pools."""
@@ -52,8 +53,8 @@ def _ms(s: float) -> str:
 
 def _side_line(name: str, side: dict[str, Any], tensors: int) -> str:
     return (
-        f"{name}: TP {side['tp']}, logical block {side['logical_block_size']} tokens = {side['ppl']} kernel "
-        f"blocks of {side['kernel_block_size']}, page {_size(side['page_bytes'])}, "
+        f"{name}: TP {side['tp']}, logical block {side['logical_block_size']} tokens = "
+        f"{count(side['ppl'], 'kernel block')} of {side['kernel_block_size']}, page {_size(side['page_bytes'])}, "
         f"{side['num_blocks']} blocks x {tensors} tensors per rank"
     )
 
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         corrupt=args.inject_corruption,
     )
     cfg.validate()  # bad arguments fail here, before any process starts
+    require("torch", "nixl", "zmq")  # ranks need all three: check before starting any
     preset = get_preset(cfg.preset)
     err = make_console(stderr=True)
     with Progress(
@@ -149,14 +151,25 @@ def run(args: argparse.Namespace) -> int:
     if result.verified:
         who = "the decode rank's memory" if cfg.decode_tp == 1 else f"all {cfg.decode_tp} decode ranks' memory"
         out.print(
-            f"[bold green]VERIFIED[/bold green]: every byte of {who} matches the logical model (MLA pages "
-            "replicated, SSM state sharded per DESIGN §2b); every byte no request names is unchanged."
+            f"[bold green]VERIFIED[/bold green]: every byte of {who} matches the logical model "
+            f"({layout_claims(preset.group_kinds())}, per docs/byte-layouts.md); every byte no request names is "
+            "unchanged."
         )
         return 0
     out.print("[bold red]FAILED[/bold red]: decode memory differs from the logical model:")
     for p in result.problems:
         out.print(f"  {p}")
     return 1
+
+
+def layout_claims(kinds: list[str]) -> str:
+    """What the verification checked, for the kinds of KV-cache groups the model has."""
+    claims = {
+        "mla": "MLA pages replicated",
+        "attention": "attention heads split across ranks",
+        "ssm": "SSM state sharded",
+    }
+    return ", ".join(claims[k] for k in claims if k in kinds)
 
 
 def cfg_peer(key: str) -> str:
@@ -173,7 +186,8 @@ def register(sub: Any) -> None:
         help="real P/D KV transfers of a model preset between processes, every byte verified",
         description="Start prefill and decode ranks as separate processes (torch CPU pools, NIXL over UCX), plan "
         "every request with the Rust planner, move the KV cache over NIXL and check every decode byte against the "
-        "logical model: MLA pages replicated, SSM state sharded, untouched bytes unchanged.",
+        "logical model: MLA pages replicated, attention heads and SSM state split across ranks, untouched bytes "
+        "unchanged.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -9,12 +9,16 @@ from typing import Any
 from rich.table import Table
 
 from .._core import plan_scenario
+from . import CliError
 from ._console import console as make_console
 from ._input import read_scenario
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan the scenario and print the transfers (a table, or JSON with ``--json``)."""
+    for flag, given in (("--compact", args.compact), ("--no-moves", args.no_moves)):
+        if given and not args.json:
+            raise CliError(f"{flag} only applies to --json output; add --json or drop {flag}")
     report: dict[str, Any] = json.loads(
         plan_scenario(read_scenario(args.scenario), moves=args.json and not args.no_moves)
     )

@@ -20,7 +20,7 @@ MAX_REGIONS = 4096
 def tiny_kimi_layers(num_regions: int) -> tuple[list[tuple[str, int, Spec, Any]], dict[str, int]]:
     """Tensors of a tiny Kimi-Linear-shaped HMA pool: each tensor shared by one MLA and two KDA layers.
 
-    Shapes follow the reference's test spec: MLA latents of 6 fp16 per token, KDA conv ``(8, 3)`` fp16 and
+    Shapes follow ``hybrid_kv.fixtures``: MLA latents of 6 fp16 per token, KDA conv ``(8, 3)`` fp16 and
     temporal ``(1, 4, 4)`` fp32 padded to the 144-byte unified page; logical block 12, kernel block 4.
     """
     import torch
@@ -35,6 +35,9 @@ def tiny_kimi_layers(num_regions: int) -> tuple[list[tuple[str, int, Spec, Any]]
 
 def run(args: argparse.Namespace) -> int:
     """Build and print the table."""
+    from . import require
+
+    require("torch")
     from ..torch_adapter import region_table_from_tensors
 
     layers, geometry = tiny_kimi_layers(args.regions)

@@ -3,12 +3,28 @@ handshake side channel, posts transfers and reports completion and failure.
 
 It knows nothing about planning: it consumes the ``(N, 3)``/``(N, 5)`` uint64 tables and int32 id
 arrays the planner produces.
+
+``Endpoint`` (NIXL and zmq, the ``nixl`` extra) is imported on first use, so the planner's inputs
+(``Transfer``, tables) import without the extra.
 """
 
-from .endpoint import Endpoint
+from typing import TYPE_CHECKING, Any
+
 from .errors import HandshakeError, TransferError
 from .requests import ControlMessage, Op, PeerKey, PollResult, RemoteEvent, RequestHandle, RequestState, Transfer
 from .tables import DescTable, check_ids, expand_strided
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Endpoint":
+        from .endpoint import Endpoint
+
+        return Endpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ControlMessage",
