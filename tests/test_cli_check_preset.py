@@ -53,7 +53,7 @@ def test_deepseek_v3_at_block_16_warns_descriptor_bound(capsys: pytest.CaptureFi
     rep = json.loads(out)
     assert any("descriptor-bound" in w for w in rep["warnings"]), rep["warnings"]
     d0 = next(r for r in rep["ranks"] if r["role"] == "decode")
-    assert d0["request_descriptors"] == 61 * 2048  # 61 regions x 32768/16 kernel blocks (reference H)
+    assert d0["request_descriptors"] == 61 * 2048  # 61 regions x 32768/16 kernel blocks
 
 
 def test_deepseek_v3_at_block_16_coalesced_is_not_descriptor_bound(capsys: pytest.CaptureFixture[str]) -> None:

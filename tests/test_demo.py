@@ -25,7 +25,7 @@ def pools_of(side: Side, seed: int) -> list[np.ndarray]:
 def simulate(
     prefill: Side, decode: Side, p_pools: list[list[np.ndarray]], d_pool: list[np.ndarray], d_rank: int, reqs: list
 ) -> None:
-    """Move bytes the way DESIGN §2b says, independently of ``expect_decode``: attention kernel pages whole
+    """Move bytes the way docs/byte-layouts.md says, independently of ``expect_decode``: attention kernel pages whole
     from prefill rank 0 (MLA), SSM sub-streams from every prefill rank whose shard overlaps (P TP >= D TP)."""
     pg, dg = prefill.geometry, decode.geometry
     s = prefill.preset.ssm

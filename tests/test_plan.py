@@ -1,4 +1,4 @@
-"""PeerPlan / Plan / RankTransfer bindings: reference F.2 ids, numpy contracts, error mapping, moves."""
+"""PeerPlan / Plan / RankTransfer bindings: hand-checked ids, numpy contracts, error mapping, moves."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def test_kimi_linear_matches_the_published_shapes() -> None:
 
 @pytest.mark.parametrize(
     ("name", "tp", "proj_dims"),
-    [  # reference F.9 derive_mamba_conv_split vectors
+    [  # conv channel splits per sub-projection
         ("nemotron-h-8b", 1, [8192, 1024, 1024]),
         ("nemotron-h-8b", 4, [2048, 256, 256]),
         ("qwen3.5-27b", 1, [2048, 2048, 6144]),
@@ -88,7 +88,7 @@ def test_deepseek_v3_is_one_region_per_layer() -> None:
     p = get_preset("deepseek-v3")
     table = build_region_table(p.rank_layout(1, 0, 100))
     assert table.num_regions == 61 and table.ppl == 1
-    assert table.num_fa_descs() == 61 * 100  # reference H: 61 x blocks descriptors
+    assert table.num_fa_descs() == 61 * 100  # 61 regions x blocks descriptors
     assert p.geometry(1).kernel_page_bytes == 73728
 
 

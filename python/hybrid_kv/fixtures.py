@@ -1,4 +1,4 @@
-"""Layer specs of the reference's test vectors (F.1/F.2), shared by ``hybrid-kv regions`` and the tests.
+"""Small MLA and KDA layer specs (hand-checked test vectors), shared by ``hybrid-kv regions`` and the tests.
 
 The Python twin of ``rust/core/fixtures.rs``: one MLA layer (6 fp16 latents per token) and two KDA layers
 (GDN, conv ``(8, 3)`` fp16, temporal ``(1, 4, 4)`` fp32) share each HMA tensor; logical block 12 tokens,
@@ -14,12 +14,12 @@ F2_PAGE = 144
 
 
 def mla_spec() -> Spec:
-    """The reference's MLA spec: one latent of 6 fp16 elements per token."""
+    """The test MLA spec: one latent of 6 fp16 elements per token."""
     return {"type": "mla", "head_size": 6, "dtype_bytes": 2}
 
 
 def kda_spec(tp: int = 1, page: int = F2_PAGE) -> Spec:
-    """The reference's KDA spec at TP ``tp`` (conv channels and temporal rows sharded), padded to ``page``."""
+    """The test KDA spec at TP ``tp`` (conv channels and temporal rows sharded), padded to ``page``."""
     return {
         "type": "ssm",
         "kind": "gdn",

@@ -6,7 +6,7 @@ used. From a preset and a TP size, :meth:`Preset.geometry` computes what vLLM's 
 :meth:`Preset.torch_layers` give one rank's layout in :mod:`hybrid_kv.layout` form, with synthetic
 addresses or with real torch tensors.
 
-How a layout follows from a model (reference §A.2-A.5):
+How a layout follows from a model:
 
 * **HMA pooling.** Layers of one kind are cut into KV-cache groups of ``group_size`` layers (the smallest
   per-kind layer count, or the largest when they are within 25% of each other, as vLLM does); the pool
@@ -21,19 +21,19 @@ How a layout follows from a model (reference §A.2-A.5):
 * **Kernel blocks.** FlashMLA pages are 64 tokens; FlashAttention takes multiples of 16, so GQA presets
   default to 16. ``--kernel-block-size`` overrides either.
 * **TP shares.** MLA latents are replicated. GQA ranks hold ``max(1, K / tp)`` KV heads. The SSM conv
-  sub-projections and the temporal state's dim 0 are split evenly (DESIGN §2b).
+  sub-projections and the temporal state's dim 0 are split evenly (docs/byte-layouts.md).
 * **dtypes.** Attention and conv states in bf16; temporal (recurrent) states in fp32, as
-  ``mamba_ssm_dtype: float32`` in the Qwen3.5 configs and the fp32 states in the reference's vectors.
+  ``mamba_ssm_dtype: float32`` in the Qwen3.5 configs.
 
 Where the numbers were read: each preset's ``source`` is the model's canonical ``config.json``; the values were
 taken from copies of those configs found through a search of public pages and code (Kimi-Linear: the
 ``Firworks/Kimi-Linear-48B-A3B-Instruct-nvfp4`` mirror of the same config; DeepSeek-V3 and Nemotron-H-8B: config
 dicts quoted verbatim in public test suites, the Nemotron one with its ``hybrid_override_pattern``; Qwen3-Next:
 the Qwen3-Coder-Next / Qwen3-Next configs with identical linear-attention fields and vLLM's ``Qwen3NextConfig``
-defaults; Qwen3.5-27B: its ``text_config`` quoted in public tests). The reference's ``derive_mamba_conv_split``
-vectors (§F.9) for Nemotron-H-8B and Qwen3.5-27B agree with them and are checked in ``tests/test_presets.py``.
+defaults; Qwen3.5-27B: its ``text_config`` quoted in public tests). vLLM's ``derive_mamba_conv_split``
+vectors for Nemotron-H-8B and Qwen3.5-27B agree with them and are checked in ``tests/test_presets.py``.
 
-Known difference: the vLLM test comment quoted in reference §A.2 gives KimiLinear logical blocks of 5760
+Known difference: the vLLM test comment gives KimiLinear logical blocks of 5760
 (TP 1) and 768 (TP 8); the published config with the formula above gives 1920 and 256 (the same
 90:12 ratio of kernel blocks, divided by 3). We follow the formula, as ``rust/core/fixtures.rs`` does.
 """
@@ -429,7 +429,7 @@ class Preset:
         )
 
     def compat_factors(self, mode: str) -> dict[str, Any]:
-        """The model factors of the handshake's compatibility hash (reference E.2)."""
+        """The model factors of the handshake's compatibility hash ."""
         a = self.attention
         return {
             "model": self.name,

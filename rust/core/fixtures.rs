@@ -1,9 +1,9 @@
-//! Small layouts from the reference's test vectors, shared by unit tests, property tests and benches.
+//! Small hand-checked layouts, shared by unit tests, property tests and benches.
 
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
 use super::spec::{LayerSpec, MambaKind, MlaSpec, SsmSpec};
 
-/// The reference's KDA spec: GDN, conv `(8, 3)` fp16, temporal `(1, 4, 4)` fp32, padded to `page`.
+/// The test KDA spec: GDN, conv `(8, 3)` fp16, temporal `(1, 4, 4)` fp32, padded to `page`.
 pub fn kda_spec(page: u64) -> LayerSpec {
     LayerSpec::Ssm(SsmSpec {
         kind: MambaKind::Gdn,
@@ -15,7 +15,7 @@ pub fn kda_spec(page: u64) -> LayerSpec {
     })
 }
 
-/// The reference's MLA spec: one latent of 6 fp16 elements per token.
+/// The test MLA spec: one latent of 6 fp16 elements per token.
 pub fn mla_spec() -> LayerSpec {
     LayerSpec::Mla(MlaSpec {
         head_size: 6,

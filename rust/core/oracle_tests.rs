@@ -1,5 +1,5 @@
 //! Simulation oracle: plan random deployments, copy bytes as the plans' moves say, and check every decode rank
-//! against DESIGN §2b's logical layout — independently of descriptor indexing.
+//! against docs/byte-layouts.md's logical layout — independently of descriptor indexing.
 //!
 //! Prefill memory holds, in every request block, a hash of what each byte *means* (tensor, group, request,
 //! token, global head, element; or SSM state, sub-projection, global channel/row, byte), so replicated data

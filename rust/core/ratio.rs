@@ -1,4 +1,4 @@
-//! The TP ratio between a local rank and its peer (reference C.1). Kernel block sizes are related through
+//! The TP ratio between a local rank and its peer. Kernel block sizes are related through
 //! their common unit instead (`units.rs`).
 
 use super::tp::MAX_TP_SIZE;

@@ -1,4 +1,4 @@
-//! Remote descriptor tables: what one local rank addresses in one remote rank's memory (reference C.4, C.5).
+//! Remote descriptor tables: what one local rank addresses in one remote rank's memory.
 //!
 //! The flat layout mirrors the local table (B.5): every region's attention descriptors (one per remote kernel
 //! unit), then per SSM region, per conv sub-projection and the temporal state, one descriptor per remote

@@ -1,7 +1,7 @@
 //! Checking a scenario's deployment pair by pair (what `hybrid-kv check SCENARIO.json` prints).
 //!
 //! Every rank of both engines is built (layout, region table, handshake metadata), every local rank is
-//! validated against each remote rank it handshakes with ([`check_pairs`], reference E.3), and every local
+//! validated against each remote rank it handshakes with ([`check_pairs`]), and every local
 //! rank whose pairs all pass then builds its peer plan and plans the scenario's requests; a planning error
 //! becomes a finding of each of that rank's pairs. Nothing stops at the first problem.
 

@@ -1,5 +1,5 @@
 //! Split local tables: one copy of the local table per remote piece, pointing at the part of each local
-//! descriptor that piece fills or provides (reference B.7).
+//! descriptor that piece fills or provides.
 //!
 //! Used when the local TP is smaller than the remote TP: each remote rank holds a slice of the local rank's
 //! heads and SSM shards. MLA (replicated) attention rows are kept whole; head-sharded attention rows are cut

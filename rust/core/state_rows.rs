@@ -1,6 +1,6 @@
 //! Whole-state rows: one descriptor for an SSM state whose pieces are contiguous on both sides.
 //!
-//! An SSM state is `[conv sub-projection 0 | 1 | 2 | temporal state | padding]` (DESIGN §2b), and the tables
+//! An SSM state is `[conv sub-projection 0 | 1 | 2 | temporal state | padding]` (docs/byte-layouts.md), and the tables
 //! address it as one row per piece ("stream"), so that a rank can take its channel or head share of each
 //! piece when the TP sizes differ. With equal TP every piece moves whole and the pieces are adjacent on both
 //! sides: four descriptors (three conv pieces and the temporal state) for what is one contiguous range. For

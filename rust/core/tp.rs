@@ -1,5 +1,5 @@
 //! Heterogeneous-TP mapping: which remote ranks a local rank exchanges each KV-cache group with
-//! (reference C.2 and C.3, DCP = 1).
+//! (without decode context parallelism).
 //!
 //! "Source" follows vLLM's read-oriented naming: in pull mode the sources are the prefill ranks a decode
 //! rank reads from; in push mode the same mapping, computed from the prefill rank's view, names the decode
@@ -18,7 +18,7 @@ pub struct TpMapping {
     pub tp_size: u32,
     /// Remote TP size.
     pub remote_tp: u32,
-    /// Signed TP ratio from the local view (reference C.1).
+    /// Signed TP ratio from the local view.
     pub tp_ratio: i64,
     /// Total KV heads used for head arithmetic (1 for MLA).
     pub total_kv_heads: u64,
@@ -44,7 +44,7 @@ pub struct TpMapping {
 /// per rank, so a size must be bounded before it sizes anything. Deployments today use at most a few hundred.
 pub const MAX_TP_SIZE: u32 = 1024;
 
-/// Remote ranks a local rank must handshake with (reference C.2): one rank when the local TP is at least the
+/// Remote ranks a local rank must handshake with: one rank when the local TP is at least the
 /// remote TP, otherwise the `|ratio|` remote ranks covering this rank's shard.
 ///
 /// # Errors
@@ -85,7 +85,7 @@ fn checked_ratio(tp_rank: u32, tp_size: u32, remote_tp: u32) -> Result<i64, Plan
     Ok(ratio)
 }
 
-/// Check that `heads` KV heads can be shared by `tp` ranks as DESIGN §2b says (equal shares or equal replicas).
+/// Check that `heads` KV heads can be shared by `tp` ranks as docs/byte-layouts.md says (equal shares or equal replicas).
 fn check_heads(heads: u64, tp: u32, side: Side) -> Result<(), PlanError> {
     let tp64 = u64::from(tp);
     if heads == 0 || (tp64 <= heads && heads % tp64 != 0) || (tp64 > heads && tp64 % heads != 0) {
@@ -190,7 +190,7 @@ impl TpMapping {
             .map_or(0, |(_, s)| *s)
     }
 
-    /// Remote ranks whose shards overlap this rank's (the handshake targets of reference C.2).
+    /// Remote ranks whose shards overlap this rank's (the handshake targets).
     pub fn covered_ranks(&self) -> Vec<u32> {
         if self.tp_ratio > 0 {
             vec![self.tp_rank / self.tp_ratio as u32]

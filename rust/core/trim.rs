@@ -1,4 +1,4 @@
-//! Per-request block-id preparation: logical → kernel expansion (reference A.3) and prefix-cache trimming
+//! Per-request block-id preparation: logical → kernel expansion and prefix-cache trimming
 //! (D.5), done on list *lengths* so the planner can stream ids without materialising trimmed copies.
 //!
 //! Trimming pairs the decode list (the blocks decode still needs) with the prefill list (every block of the

@@ -1,4 +1,4 @@
-//! The common token unit of two kernel block sizes (reference C.6, generalised to both directions).
+//! The common token unit of two kernel block sizes (in both directions).
 //!
 //! vLLM addresses the local side in `bsr = local/remote` sub-blocks when the local kernel block is larger,
 //! and (hybrid MLA pull only) rewrites the remote metadata into `gcd` sub-blocks when neither divides the

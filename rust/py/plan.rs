@@ -402,7 +402,7 @@ pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce:
     })
 }
 
-/// The remote ranks a local rank handshakes and exchanges data with (reference C.2): the one remote rank
+/// The remote ranks a local rank handshakes and exchanges data with: the one remote rank
 /// covering it when the local TP is at least the remote TP, else the `remote_tp / tp_size` remote ranks its
 /// shard spans. `PeerPlan` expects the metadata of exactly these ranks, in this order.
 ///

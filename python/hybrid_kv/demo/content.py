@@ -2,7 +2,7 @@
 
 Every request has a *logical* KV cache: for each HMA tensor (region) and attention group, one cell per
 (token, head) — one latent per token for MLA — and for each SSM group one full state (conv
-sub-projections + temporal state). Each rank's bytes are that logical content cut the way DESIGN §2b
+sub-projections + temporal state). Each rank's bytes are that logical content cut the way docs/byte-layouts.md
 says: attention pages heads-major (the rank's heads), token-major inside a head; MLA pages token-major and
 identical on every rank; SSM pages ``[conv 0 | conv 1 | conv 2 | temporal | padding]`` holding the rank's
 channel and row shares. Prefill ranks write their shares into their pools; decode ranks compute from the

@@ -1,7 +1,7 @@
 """``Endpoint``: one NIXL agent, its registered memory and prepped tables, its peers and requests.
 
 The endpoint is driven by ``poll()``; it never starts NIXL's progress thread (it busy-spins a core,
-see the NIXL notes §4.3) and every NIXL call happens on the thread that calls the endpoint's
+and every NIXL call happens on the thread that calls the endpoint's
 methods. The only background threads are ZeroMQ ones: the side-channel server and one short-lived
 thread per handshake in flight. NIXL has no transfer timeouts, so every request carries a deadline
 that ``poll()`` enforces.

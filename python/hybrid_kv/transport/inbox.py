@@ -41,7 +41,7 @@ class Inbox:
         self._next_expiry = 0.0
 
     def drain(self) -> None:
-        """Read every new NIXL notification (this also progresses the passive side, NIXL notes §4.3)."""
+        """Read every new NIXL notification (this also progresses the passive side)."""
         events = self._requests.events
         for raw_sender, msgs in self._agent.nixl.get_new_notifs().items():
             sender = raw_sender.decode() if isinstance(raw_sender, bytes) else str(raw_sender)

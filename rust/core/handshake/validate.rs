@@ -1,4 +1,4 @@
-//! `validate(local, remote)`: every applicable check of reference E.3, all run, all reported at once.
+//! `validate(local, remote)`: every applicable check, all run, all reported at once.
 //!
 //! Directions follow the reference: `tp_ratio` is from the local side's view (in pull mode local is decode,
 //! in push mode prefill). Checks that are about prefill versus decode (GQA head replication) resolve the

@@ -50,7 +50,7 @@ class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """Heads-major pages (``LBHNC``) so a head range is contiguous (DESIGN §2b); MLA has one head."""
+        """Heads-major pages (``LBHNC``) so a head range is contiguous (docs/byte-layouts.md); MLA has one head."""
         mc = getattr(vllm_config, "model_config", None)
         return None if mc is not None and getattr(mc, "use_mla", False) else "LBHNC"
 
