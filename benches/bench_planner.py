@@ -332,7 +332,7 @@ def nixl_agent(name: str, telemetry: bool = False) -> Any:
     from nixl._api import nixl_agent as agent_cls
     from nixl._api import nixl_agent_config
 
-    # Progress thread off: it busy-polls and would steal one of the two cores (reference 4.3).
+    # Progress thread off: it busy-polls and would steal one of the two cores.
     return agent_cls(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"], capture_telemetry=telemetry))
 
 
@@ -461,7 +461,7 @@ def deploy(
     rg = Geometry.from_table(hk.build_region_table(preset.rank_layout(r_tp, targets[0], r_n)))
     lg = Geometry.from_table(local)
     kinds = [k != "ssm" for k in preset.group_kinds()]
-    # TP mapping (reference C.3) for MLA models: attention from one rank, SSM shards from every target.
+    # TP mapping for MLA models: attention from one rank, SSM shards from every target.
     routes = [(t, [(i == 0) if k else True for k in kinds]) for i, t in enumerate(targets)]
     lgeo = preset.geometry(l_tp)
     rgeo = preset.geometry(r_tp)

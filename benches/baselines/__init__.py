@@ -5,7 +5,7 @@
 * :mod:`.python_loop` builds them with plain Python loops over every descriptor, the way split
   ("per-source") tables are still built and every table was built before PR #48209.
 
-Both follow the formulas of ``shared/reference/vllm-nixl-planning.md`` (B.5, B.7, C.4, C.5, D.3) and
+Both follow the formulas of vLLM 0.33's NIXL connector and
 read their inputs from a :class:`.geometry.Geometry` taken from a hybrid-kv ``RegionTable``, so each
 computes exactly what hybrid-kv computes; the benchmark checks that the outputs are equal.
 Nothing here is used by the package.

@@ -2,7 +2,7 @@
 
 This is how every table was built before vLLM PR #48209 and how the split ("per-source") local
 tables for P_TP > D_TP are still built: ``src_blocks_data.tolist()`` and a loop over every local
-descriptor for every source rank (reference B.7, H). Written from the reference's formulas.
+descriptor for every source rank . Written from the formulas of vLLM 0.33's NIXL connector.
 The lists are what NIXL's ``get_xfer_descs`` / ``prep_xfer_dlist`` accept as they are.
 """
 

@@ -256,7 +256,7 @@ fn check_inside_advertised(rank: u32, table: &DescTable, remote: &AgentMeta) -> 
 
 impl PeerPlan {
     /// Precompute the mapping and tables of `local` against `remotes`: the handshake metadata of every remote
-    /// rank this local rank talks to (the handshake targets of reference C.2), all of one peer engine.
+    /// rank this local rank talks to (the handshake targets), all of one peer engine.
     ///
     /// # Errors
     /// A [`PlanError`] naming both sides' values: TP sizes that do not divide, remote ranks that are not the
@@ -477,7 +477,7 @@ impl PeerPlan {
     /// Plan one request from each side's *logical* block ids per group (in group order).
     ///
     /// Each side's attention ids are expanded with its own kernel blocks per logical block and cut into the
-    /// common unit; then decode and prefill lists are paired (prefix-cache trimming, reference D.5).
+    /// common unit; then decode and prefill lists are paired (prefix-cache trimming, `trim.rs`).
     ///
     /// # Errors
     /// `GroupCount` for a wrong number of groups, `BlockOutOfRange` for an id outside its side's pool (naming

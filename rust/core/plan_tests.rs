@@ -1,4 +1,4 @@
-//! Planning vectors of reference F.2–F.8 on hand-built layouts.
+//! Hand-checked planning vectors on hand-built layouts.
 
 use super::fixtures::{dense_memory, hybrid_mla_f2, kda_spec, mla_spec};
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
