@@ -84,7 +84,9 @@ def test_an_endpoint_backs_its_dram_registration_with_huge_pages() -> None:
         with Endpoint(f"hp-{mode}", reg, {"whole": table}, listen=None, huge_pages=mode) as ep:
             report = ep.huge_pages
             if mode == "off":
-                assert report is None and huge_bytes(addr, n) == 0
+                # Nothing advised (the pool may still sit on huge pages if the allocator handed back memory an
+                # earlier test advised, so the kernel's accounting proves nothing here).
+                assert report is None
             else:
                 assert report is not None and report.advised > 0, report
                 assert report.collapsed == (report.advised if mode == "collapse" else 0), report
