@@ -3,6 +3,12 @@
 
 use std::hint::black_box;
 
+/// The allocator the Python binding uses (`rust/py/mod.rs`), so these times are the ones Python callers get
+/// (with the `python` feature the library already installs it).
+#[cfg(not(feature = "python"))]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hybrid_kv::core::fixtures::{deepseek_v3_like, kimi_linear_like};
 use hybrid_kv::core::plan::PeerPlan;
