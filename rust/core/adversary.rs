@@ -379,16 +379,6 @@ fn mutate_bytes(rng: &mut Rng, bytes: &mut Vec<u8>) {
     }
 }
 
-/// End (exclusive) of an advertised region, `None` when it wraps.
-fn region_end(r: &RegionMeta) -> Option<u64> {
-    let ext = r
-        .num_blocks
-        .checked_sub(1)?
-        .checked_mul(r.block_stride)?
-        .checked_add(r.block_len)?;
-    r.base.checked_add(ext)
-}
-
 /// Whether `[addr, addr + len)` lies inside one of `extents`.
 fn inside(extents: &[(u64, u64)], addr: u64, len: u64) -> bool {
     addr.checked_add(len)
@@ -433,11 +423,7 @@ fn try_plan(rng: &mut Rng, case: &Case, remotes: &[AgentMeta], report: &mut Repo
             report.rows_outside += table.rows.len() as u64; // a table for a rank nobody advertised
             continue;
         };
-        let ext: Vec<(u64, u64)> = m
-            .regions
-            .iter()
-            .filter_map(|r| Some((r.base, region_end(r)?)))
-            .collect();
+        let ext: Vec<(u64, u64)> = m.regions.iter().filter_map(|r| Some((r.base, r.end()?))).collect();
         for row in rows(table) {
             report.rows_checked += 1;
             if !row_inside(&ext, row) {

@@ -41,6 +41,19 @@ pub struct RegionMeta {
     pub group: Option<u32>,
 }
 
+impl RegionMeta {
+    /// End (exclusive) of the region's extent, its last block's end: `None` when the region has no block or
+    /// the extent wraps the 64-bit address space.
+    pub fn end(&self) -> Option<u64> {
+        let extent = self
+            .num_blocks
+            .checked_sub(1)?
+            .checked_mul(self.block_stride)?
+            .checked_add(self.block_len)?;
+        self.base.checked_add(extent)
+    }
+}
+
 /// Handshake metadata of one rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentMeta {

@@ -217,18 +217,7 @@ fn sorted_by_rank(remotes: &[AgentMeta]) -> Vec<&AgentMeta> {
 fn check_inside_advertised(rank: u32, table: &DescTable, remote: &AgentMeta) -> Result<(), PlanError> {
     // Extents sorted by base; well-formed regions do not overlap, so the one that can hold an address is the
     // last starting at or below it (a binary search: tables have thousands of chunk rows).
-    let mut extents: Vec<(u64, u64)> = remote
-        .regions
-        .iter()
-        .filter_map(|r| {
-            let ext = r
-                .num_blocks
-                .checked_sub(1)?
-                .checked_mul(r.block_stride)?
-                .checked_add(r.block_len)?;
-            Some((r.base, r.base.checked_add(ext)?))
-        })
-        .collect();
+    let mut extents: Vec<(u64, u64)> = remote.regions.iter().filter_map(|r| Some((r.base, r.end()?))).collect();
     extents.sort_unstable();
     // The region holding the row's first byte must also hold its last descriptor's last byte: a row that
     // starts in one region and ends in another would address the gap between them.

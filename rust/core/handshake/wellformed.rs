@@ -11,7 +11,7 @@
 //! refuses both ([`check_well_formed`]).
 
 use super::error::Finding;
-use crate::core::meta::{AgentMeta, RegionMeta};
+use crate::core::meta::AgentMeta;
 use crate::core::region::GroupKind;
 use crate::core::tp::MAX_TP_SIZE;
 
@@ -108,7 +108,7 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
                 format!("at most {MAX_KERNEL_BLOCKS} kernel blocks (int32 descriptor ids)"),
             );
         }
-        if region_end(r).is_none() {
+        if r.end().is_none() {
             bad(
                 &field,
                 format!("base {:#x}", r.base),
@@ -179,16 +179,6 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
     out
 }
 
-/// End (exclusive) of region `r`'s extent: its last block's end, `None` when that wraps the address space.
-fn region_end(r: &RegionMeta) -> Option<u64> {
-    let extent = r
-        .num_blocks
-        .checked_sub(1)?
-        .checked_mul(r.block_stride)?
-        .checked_add(r.block_len)?;
-    r.base.checked_add(extent)
-}
-
 /// Memory a plan must never touch: regions overlapping one another, and an SSM state larger than its logical
 /// page (`block_len x ppl`). Values that do not compute (see [`structure_findings`]) are skipped here.
 pub fn placement_findings(m: &AgentMeta) -> Vec<Finding> {
@@ -198,7 +188,7 @@ pub fn placement_findings(m: &AgentMeta) -> Vec<Finding> {
         .iter()
         .take(MAX_REGIONS)
         .enumerate()
-        .filter_map(|(i, r)| Some((r.base, region_end(r)?, i)))
+        .filter_map(|(i, r)| Some((r.base, r.end()?, i)))
         .collect();
     extents.sort_unstable();
     for pair in extents.windows(2) {
