@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -154,3 +156,25 @@ def test_a_corrupted_byte_fails_verification_with_exit_1(capsys: pytest.CaptureF
     assert main(["demo", "--requests", "2", "--tokens", "100", "--inject-corruption"]) == 1
     out = capsys.readouterr().out
     assert "FAILED" in out and "1 bytes differ in tensor 0" in out
+
+
+def test_phase_timings_add_up_to_the_total_and_every_phase_is_named() -> None:
+    """Issue #14: each phase timed under its own name, the phases plus ``other`` are the total, ``--json`` agrees."""
+    from hybrid_kv.cli.demo import PHASE_NAMES
+    from hybrid_kv.demo.run import PHASES
+
+    entry = "import sys; from hybrid_kv.cli import main; sys.exit(main())"  # the console script's entry point
+    argv = [sys.executable, "-c", entry, "demo", "--requests", "4", "--tokens", "300"]
+    res = json.loads(subprocess.run([*argv, "--json"], capture_output=True, text=True, check=True).stdout)
+    phases = res["phases"]
+    assert list(phases) == list(PHASES)
+    assert all(v >= 0 for v in phases.values()) and phases["startup"] > 0 and phases["shutdown"] > 0
+    assert res["other_s"] >= 0 and res["total_s"] > 0
+    assert sum(phases.values()) + res["other_s"] == pytest.approx(res["total_s"], abs=1e-6)
+    assert res["other_s"] <= max(0.5, 0.1 * res["total_s"])  # the remainder stays small: nothing hides there
+    assert res["startup_s"] == phases["startup"]
+    human = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert "0/?" not in human.stdout + human.stderr
+    for phase in PHASES:
+        assert f"  {PHASE_NAMES[phase]} " in human.stdout, phase
+    assert "  other " in human.stdout and "  total " in human.stdout

@@ -51,6 +51,46 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
 
 
+def _dur(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else _ms(s)
+
+
+PHASE_NAMES = {
+    "startup": "start-up",
+    "handshake": "handshake",
+    "fill": "filling",
+    "planning": "planning",
+    "transfer": "transfer",
+    "verify": "verification",
+    "shutdown": "shutdown",
+}
+"""How the summary names each of :data:`hybrid_kv.demo.run.PHASES`."""
+
+
+def phase_table(result: Any, mode: str, tensors: int) -> Table:
+    """Each phase's wall time, ``other`` (outside every phase) and the total: the rows add up to the total."""
+    p, d = result.prefill["tp"], result.decode["tp"]
+    what = {
+        "startup": f"spawn {p + d} rank processes, torch pools, region tables, NIXL endpoints",
+        "handshake": "fetch peer metadata, validate, build plans, connect over NIXL",
+        "fill": f"prefill pools: {result.requests} requests x {count(p, 'rank')}; every pool snapshotted",
+        "planning": f"descriptor ids for {count(result.requests, 'request')} (Rust planner)",
+        "transfer": f"{'READ' if mode == 'pull' else 'WRITE'} {_size(result.bytes_moved)} over NIXL, "
+        f"{count(result.requests, 'request')} done on {count(d, 'decode rank')}",
+        "verify": f"every byte: {p + d} ranks x {count(tensors, 'tensor')}",
+        "shutdown": "close endpoints, ranks exit",
+    }
+    t = Table(show_header=False, box=None, padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column()
+    for phase, secs in result.phases.items():
+        t.add_row("  " + PHASE_NAMES.get(phase, phase), _dur(secs), what.get(phase, ""))
+    t.add_row("  other", _dur(result.other_s), "between phases: argument checks, request allocation, memcpy reference")
+    t.add_row("  total", _dur(result.total_s), "")
+    return t
+
+
 def _side_line(name: str, side: dict[str, Any], tensors: int) -> str:
     return (
         f"{name}: TP {side['tp']}, logical block {side['logical_block_size']} tokens = "
@@ -102,10 +142,9 @@ def run(args: argparse.Namespace) -> int:
         def on_event(kind: str, info: dict[str, Any]) -> None:
             if kind == "stage":
                 if task:
-                    progress.update(task[0], completed=progress.tasks[0].total or 1, total=progress.tasks[0].total or 1)
                     progress.remove_task(task.pop())
-                task.append(progress.add_task(info["name"], total=info["total"] or None))
-            elif kind == "request_done" and task:
+                task.append(progress.add_task(info["name"], total=info["total"]))
+            elif kind == "advance" and task:
                 progress.advance(task[0])
 
         result = run_demo(cfg, on_event)
@@ -138,16 +177,21 @@ def run(args: argparse.Namespace) -> int:
         for rank, v in sorted(result.tables.items())
     )
     t.add_row("local tables", tables)
-    t.add_row("startup", f"{result.startup_s:.2f} s (spawn, torch pools, region tables)")
-    t.add_row("planning", f"{_ms(result.plan_setup_s)} tables once + {_ms(result.plan_s)} for all requests")
-    t.add_row("handshake", _ms(result.handshake_s))
+    t.add_row("connect", f"{_ms(result.handshake_s)} NIXL connections in the slowest rank")
+    t.add_row("planning", f"{_ms(result.plan_setup_s)} tables once + {_ms(result.plan_s)} for all requests (ranks)")
     t.add_row(
         "transfer",
-        f"{_ms(result.transfer_s)}: {result.gbps:.2f} GB/s (one contiguous memcpy of the same bytes: "
-        f"{result.memcpy_gbps:.2f} GB/s)",
+        f"{_ms(result.transfer_s)} in the slowest rank: {result.gbps:.2f} GB/s (one contiguous memcpy of the same "
+        f"bytes: {result.memcpy_gbps:.2f} GB/s)",
     )
-    t.add_row("verified", f"{_size(result.bytes_verified)} of decode memory in {_ms(result.verify_s)}")
+    t.add_row(
+        "verified",
+        f"{_size(result.bytes_verified)} of decode memory + {_size(result.prefill_bytes_verified)} of prefill "
+        f"memory in {_ms(result.verify_s)} (slowest rank)",
+    )
     out.print(t)
+    out.print(f"[bold]wall time[/bold] by phase, {_dur(result.total_s)} in all:")
+    out.print(phase_table(result, cfg.mode, preset.num_tensors))
     if result.verified:
         who = "the decode rank's memory" if cfg.decode_tp == 1 else f"all {cfg.decode_tp} decode ranks' memory"
         out.print(

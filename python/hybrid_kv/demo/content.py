@@ -201,13 +201,21 @@ def expect_decode(
 
 def first_mismatch(actual: list[U8], expected: list[U8], side: Side) -> str | None:
     """A one-line description of the first differing byte (region, block, offset), or ``None``."""
-    page = side.geometry.page_bytes
     for region, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        diff = np.flatnonzero(a != e)
-        if diff.size:
-            off = int(diff[0])
-            return (
-                f"{diff.size} bytes differ in tensor {region}; first at logical block {off // page}, "
-                f"byte {off % page} of the page (got {int(a[off])}, expected {int(e[off])})"
-            )
+        problem = region_mismatch(a, e, side, region)
+        if problem is not None:
+            return problem
     return None
+
+
+def region_mismatch(actual: U8, expected: U8, side: Side, region: int) -> str | None:
+    """:func:`first_mismatch` for one tensor (``region``, its index in the pool list)."""
+    page = side.geometry.page_bytes
+    diff = np.flatnonzero(actual != expected)
+    if not diff.size:
+        return None
+    off = int(diff[0])
+    return (
+        f"{diff.size} bytes differ in tensor {region}; first at logical block {off // page}, "
+        f"byte {off % page} of the page (got {int(actual[off])}, expected {int(expected[off])})"
+    )

@@ -25,6 +25,11 @@ from .worker import WorkerSpec, memcpy_gbps
 
 Event = Callable[[str, dict[str, Any]], None]
 
+PHASES = ("startup", "handshake", "fill", "planning", "transfer", "verify", "shutdown")
+"""The demo's phases, in order: each is timed by the coordinator from its command to the last rank's answer."""
+PROGRESS = ("ready", "connected", "request_filled", "planned", "request_done", "pool_verified", "closed")
+"""Rank messages that advance the current phase's progress by one."""
+
 
 @dataclass
 class DemoConfig:
@@ -99,6 +104,12 @@ class DemoResult:
     """Decode memory compared with the logical model (every byte of every decode rank)."""
     prefill_bytes_verified: int = 0
     """Prefill memory checked unchanged since it was filled (every byte of every prefill rank)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall time of each phase as the coordinator saw it, in order (:data:`PHASES`), in seconds."""
+    other_s: float = 0.0
+    """Coordinator time outside every phase (argument checks, request allocation, the memcpy reference)."""
+    total_s: float = 0.0
+    """Wall time of the whole run: the phases plus ``other_s``."""
     problems: list[str] = field(default_factory=list)
     verified: bool = False
 
@@ -222,14 +233,16 @@ class _Ranks:
             mkind, role, rank, *payload = msg
             if mkind == "error":
                 raise TransferError(f"{role} rank {rank}: {payload[0]}")
-            if mkind == "request_done":
-                self.events("request_done", {"role": role, "rank": rank, "rid": payload[0]})
+            if mkind in PROGRESS and (mkind != "request_done" or role == "decode"):  # a request done: as decode has it
+                self.events("advance", {"kind": mkind, "role": role, "rank": rank})
+            if mkind in ("request_done", "request_filled", "pool_verified"):
                 continue
             self.inbox_msgs.setdefault(mkind, {})[(role, rank)] = tuple(payload)
         return {k: got[k] for k in keys}
 
     def close(self, clean: bool) -> None:
         """Finish (clean) or stop every rank, then reap the processes."""
+        self.events("stage", {"name": "shutdown: ranks closing", "total": len(self.procs)})
         self.send(self.keys(), "finish" if clean else "stop")
         if clean:
             try:
@@ -243,11 +256,34 @@ class _Ranks:
                 p.join(5.0)
 
 
+class _Clock:
+    """Wall time of each phase, measured back to back: a phase ends where the next one starts."""
+
+    def __init__(self, events: Event) -> None:
+        self.events = events
+        self.phases: dict[str, float] = {}
+        self.current: tuple[str, float] | None = None
+
+    def start(self, phase: str, name: str, total: int) -> None:
+        self.stop()
+        self.current = (phase, time.perf_counter())
+        self.events("stage", {"name": name, "total": total})
+
+    def stop(self) -> None:
+        if self.current is not None:
+            phase, t0 = self.current
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+            self.current = None
+
+
 def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
     """Run the demo; raises a ``HybridKvError`` for bad arguments or a failed run, returns the result otherwise.
 
-    ``events(kind, info)`` is called with ``stage`` (``{"name", "total"}``) and ``request_done`` updates.
+    ``events(kind, info)`` is called with ``stage`` (``{"name", "total"}``: a phase starts, ``total`` steps long)
+    and ``advance`` (one step of the current phase done: a rank ready, connected, planned or closed, a request
+    filled on a prefill rank or done on an active rank, a tensor verified on a rank).
     """
+    t_start = time.perf_counter()
     emit: Event = events or (lambda kind, info: None)
     prefill, decode = cfg.validate()
     requests = make_requests(cfg, prefill, decode)
@@ -260,15 +296,16 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
     )
     active = "decode" if cfg.mode == "pull" else "prefill"
     passive = "prefill" if active == "decode" else "decode"
-    t0 = time.perf_counter()
-    emit("stage", {"name": f"starting {prefill.tp} prefill + {decode.tp} decode rank processes", "total": 0})
+    n_active = prefill.tp if active == "prefill" else decode.tp
+    n_ranks = prefill.tp + decode.tp
+    clock = _Clock(emit)
+    clock.start("startup", f"start-up: {prefill.tp} prefill + {decode.tp} decode rank processes ready", n_ranks)
     ranks = _Ranks(cfg, prefill, decode, emit)
     clean = False
     try:
         ready = ranks.collect("ready", ranks.keys())
-        result.startup_s = time.perf_counter() - t0
         addresses = {rank: ready[(role, rank)][0] for role, rank in ranks.keys(passive)}
-        emit("stage", {"name": "handshake: metadata, plans, NIXL connections", "total": 0})
+        clock.start("handshake", f"handshake: metadata, plans, NIXL connections ({active} ranks)", n_active)
         ranks.send(ranks.keys(active), "connect", addresses)
         connected = ranks.collect("connected", ranks.keys(active))
         for (role, rank), (targets, setup_s, connect_s, sizes) in connected.items():
@@ -276,10 +313,17 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             result.tables[f"{role}-{rank}"] = sizes
             result.plan_setup_s = max(result.plan_setup_s, setup_s)
             result.handshake_s = max(result.handshake_s, connect_s)
+        clock.start(
+            "fill", f"filling prefill pools: {len(requests)} requests x {prefill.tp} ranks", len(requests) * prefill.tp
+        )
         ranks.send(ranks.keys(), "requests", requests)
-        ranks.collect("filled", ranks.keys("prefill"))
-        emit("stage", {"name": f"{cfg.mode}: {len(requests)} requests over NIXL", "total": len(requests) * decode.tp})
+        ranks.collect("filled", ranks.keys())
+        clock.start("planning", f"planning {len(requests)} requests ({active} ranks)", n_active)
         ranks.send(ranks.keys(active), "go")
+        ranks.collect("planned", ranks.keys(active))
+        clock.start(
+            "transfer", f"{cfg.mode}: {len(requests)} requests over NIXL (per decode rank)", len(requests) * decode.tp
+        )
         if cfg.mode == "push":
             targets = ranks.collect("targets", ranks.keys("prefill"))
             for d in range(decode.tp):
@@ -292,7 +336,12 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             result.descriptors += descs
             result.bytes_moved += nbytes
             result.nixl_transfers += xfers
-        emit("stage", {"name": "verifying every byte (decode: the logical model, prefill: unchanged)", "total": 0})
+        tensors = prefill.preset.num_tensors
+        clock.start(
+            "verify",
+            f"verifying every byte: {n_ranks} ranks x {tensors} tensors",
+            n_ranks * tensors,
+        )
         ranks.send(ranks.keys(), "verify", cfg.corrupt_at if cfg.corrupt else None)
         verdicts = ranks.collect("verified", ranks.keys())
         for (role, rank), (problem, checked, verify_s) in sorted(verdicts.items()):
@@ -306,7 +355,14 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         result.verified = not result.problems
         clean = True
     finally:
-        ranks.close(clean)
+        clock.stop()
+        t0 = time.perf_counter()
+        ranks.close(clean)  # emits its own stage: shutdown
+        clock.phases["shutdown"] = time.perf_counter() - t0
     result.gbps = result.bytes_moved / result.transfer_s / 1e9 if result.transfer_s else 0.0
     result.memcpy_gbps = memcpy_gbps(result.bytes_moved)
+    result.phases = {p: clock.phases.get(p, 0.0) for p in PHASES}
+    result.startup_s = result.phases["startup"]
+    result.total_s = time.perf_counter() - t_start
+    result.other_s = max(0.0, result.total_s - sum(result.phases.values()))
     return result

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .content import Content, Request, Side, expect_decode, fill_prefill, first_mismatch, random_bytes
+from .content import Content, Request, Side, expect_decode, fill_prefill, random_bytes, region_mismatch
 
 POLL_SLEEP_S = 0.0002
 
@@ -208,12 +208,13 @@ class _Worker:
         (requests,) = self.wait("requests")
         self.requests: list[Request] = requests
         self.contents = [Content(self.side.preset, spec.seed, r.index, r.content_tokens) for r in requests]
+        t0 = time.perf_counter()
         if spec.role == "prefill":
-            t0 = time.perf_counter()
             for r, c in zip(requests, self.contents, strict=True):
                 fill_prefill(self.pools, self.side, spec.rank, r, c, spec.seed)
-            self.send("filled", time.perf_counter() - t0)
+                self.send("request_filled", r.rid)
         self.before = [p.copy() for p in self.pools]  # prefill: what must still be there after the transfer
+        self.send("filled", time.perf_counter() - t0)  # every rank: pools as they are before the transfer
         if spec.active:
             self.wait("go")
             self._post_all()
@@ -237,6 +238,7 @@ class _Worker:
             local, remote = (r.decode_ids, r.prefill_ids) if spec.role == "decode" else (r.prefill_ids, r.decode_ids)
             plans.append(self.planner.plan(local, remote))
         plan_s = time.perf_counter() - t0
+        self.send("planned", plan_s)
         descs = sum(int(t.local_ids.size) for p in plans for t in p)
         nbytes = sum(self.planner.transfer_bytes(t) for p in plans for t in p)
         targets = {r.rid: sorted({int(t.peer) for t in p}) for r, p in zip(self.requests, plans, strict=True)}
@@ -294,7 +296,10 @@ class _Worker:
             want = self.before
         else:
             want = expect_decode(self.before, self.side, self.other, self.spec.rank, self.requests, self.contents)
-        problem = first_mismatch(self.pools, want, self.side)
+        problem = None
+        for region, (pool, expected) in enumerate(zip(self.pools, want, strict=True)):
+            problem = problem or region_mismatch(pool, expected, self.side, region)
+            self.send("pool_verified", region, int(pool.size))
         checked = sum(p.size for p in self.pools)
         self.send("verified", problem, checked, time.perf_counter() - t0)
 
