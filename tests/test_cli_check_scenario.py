@@ -137,7 +137,8 @@ def test_json_report_parses(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, str(SCENARIOS / "hybrid_mla_f2.json"), "--json")
     assert status == 0
     rep = json.loads(out)
-    assert set(rep) == {"name", "mode", "local_side", "tp", "pairs", "summary"}
+    assert set(rep) == {"name", "mode", "local_side", "tp", "pairs", "summary", "compatible", "reasons"}
+    assert rep["compatible"] is True and rep["reasons"] == []
     assert rep["pairs"] == [
         {
             "prefill_rank": 0,
@@ -162,7 +163,6 @@ def test_scenario_from_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     [
         (lambda s: s.update(modes="pull"), "unknown field `modes`"),
         (lambda s: s.update(prefill=3), "invalid type"),
-        (lambda s: s["prefill"].update(tp_size=3), "must all divide by prefill TP 3"),
     ],
 )
 def test_malformed_scenarios_are_one_line_errors(
@@ -181,3 +181,33 @@ def test_not_json_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixt
     path.write_text("{not json")
     status, _, err = run(capsys, str(path))
     assert status == 2 and err.count("\n") == 1 and "scenario JSON" in err and "Traceback" not in err
+
+
+def test_an_engine_the_tp_size_cannot_split_is_incompatible_as_check_preset_reports_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not a malformed file: the deployment is incompatible, exit 1, with the verdict and the reason at the top
+    # of the JSON, the same keys as `check --preset` (which reports the same kind of problem the same way).
+    s = copy.deepcopy(load("hybrid_mla_f2.json"))
+    s["prefill"]["tp_size"] = 3
+    path = write(tmp_path, s)
+    status, out, err = run(capsys, path)
+    assert status == 1 and err == "" and "INCOMPATIBLE" in out and "must all divide by" in out
+    status, out, _ = run(capsys, path, "--json")
+    report = json.loads(out)
+    assert status == 1 and report["compatible"] is False and report["pairs"] == []
+    assert len(report["reasons"]) == 1 and "must all divide by prefill TP 3" in report["reasons"][0]
+    status, out, _ = run(capsys, "--preset", "tiny-qwen3-next", "--prefill-tp", "3", "--decode-tp", "1", "--json")
+    preset = json.loads(out)
+    assert status == 1 and preset["compatible"] is False and "does not divide" in preset["reasons"][0]
+    assert {"compatible", "reasons"} <= set(report) & set(preset)
+
+
+def test_incompatible_pairs_are_listed_as_reasons_at_the_top(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run(capsys, write(tmp_path, tp_not_dividing()), "--json")
+    report = json.loads(out)
+    assert status == 1 and report["compatible"] is False
+    assert report["reasons"] and all(r.startswith("prefill rank ") for r in report["reasons"])
+    assert sum(len(p["findings"]) for p in report["pairs"]) == len(report["reasons"])

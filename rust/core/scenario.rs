@@ -153,6 +153,10 @@ pub enum ScenarioError {
         /// The largest accepted value.
         limit: u64,
     },
+    /// The model cannot be laid out at one side's TP size (heads, conv channels or temporal rows that do not
+    /// split over its ranks): a deployment that is incompatible, not a malformed file.
+    #[error("scenario: {0}")]
+    Deployment(String),
     /// A rank's layout is invalid.
     #[error("{side} rank {rank}: {source}")]
     Layout {
@@ -236,7 +240,7 @@ fn rank_spec(group: &Group, g: usize, tp: u32, side: &str) -> Result<LayerSpec, 
             dtype_bytes,
         } => {
             if *k == 0 || (tp64 <= *k && k % tp64 != 0) || (tp64 > *k && tp64 % k != 0) {
-                return Err(invalid(format!(
+                return Err(ScenarioError::Deployment(format!(
                     "group {g}: {k} KV heads do not split evenly over {side} TP {tp} (heads must divide by TP or TP by heads)"
                 )));
             }
@@ -274,7 +278,7 @@ fn rank_spec(group: &Group, g: usize, tp: u32, side: &str) -> Result<LayerSpec, 
                 .map_err(|e| invalid(e.to_string()))?;
             let dim0 = temporal_shape[0];
             if split.proj_dims.iter().any(|d| d % tp64 != 0) || dim0 % tp64 != 0 {
-                return Err(invalid(format!(
+                return Err(ScenarioError::Deployment(format!(
                     "group {g}: conv sub-projections {:?} and temporal dim 0 ({dim0}) must all divide by {side} TP {tp}",
                     split.proj_dims
                 )));

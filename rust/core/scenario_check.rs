@@ -75,21 +75,34 @@ pub struct CheckReport {
     pub local_side: &'static str,
     /// Prefill and decode TP sizes.
     pub tp: (u32, u32),
-    /// Every pair, local-rank-major.
+    /// Every pair, local-rank-major (empty when an engine cannot be built).
     pub pairs: Vec<PairCheck>,
     /// Totals.
     pub summary: CheckSummary,
+    /// The verdict, at the top of the report as in `check --preset` (`summary.compatible`).
+    pub compatible: bool,
+    /// Why the deployment is incompatible, one line each, as in `check --preset`: every finding prefixed with
+    /// its rank pair, or why an engine cannot be built.
+    pub reasons: Vec<String>,
 }
 
-/// Check every rank pair of the deployment `s` describes.
+/// Check every rank pair of the deployment `s` describes. An engine that cannot be built at its TP size (heads,
+/// conv channels or a layout that do not split) makes the deployment incompatible, with that reason and no
+/// pairs, as `check --preset` reports it.
 ///
 /// # Errors
-/// `Invalid` or `Layout` when an engine cannot be built at all (no pair exists to report on).
+/// `Json`, `Invalid` or `OverLimit` for a scenario the format forbids.
 pub fn check_scenario(s: &Scenario) -> Result<CheckReport, ScenarioError> {
-    let (prefill, decode) = build_engines(s)?;
-    let (local, remote, local_side) = match s.mode {
-        TransferMode::Pull => (&decode, &prefill, "decode"),
-        TransferMode::Push => (&prefill, &decode, "prefill"),
+    let (prefill, decode) = match build_engines(s) {
+        Ok(engines) => engines,
+        Err(e @ (ScenarioError::Deployment(_) | ScenarioError::Layout { .. })) => {
+            return Ok(CheckReport::unbuildable(s, e.to_string()))
+        }
+        Err(e) => return Err(e),
+    };
+    let (local, remote) = match s.mode {
+        TransferMode::Pull => (&decode, &prefill),
+        TransferMode::Push => (&prefill, &decode),
     };
     let local_metas: Vec<AgentMeta> = local.iter().map(|r| r.meta.clone()).collect();
     let remote_metas: Vec<AgentMeta> = remote.iter().map(|r| r.meta.clone()).collect();
@@ -144,14 +157,50 @@ pub fn check_scenario(s: &Scenario) -> Result<CheckReport, ScenarioError> {
     summary.compatible_pairs = pairs.iter().filter(|p| p.verdict == Verdict::Compatible).count();
     summary.incompatible_pairs = summary.pairs - summary.compatible_pairs;
     summary.compatible = summary.pairs > 0 && summary.incompatible_pairs == 0;
+    let reasons = pairs
+        .iter()
+        .flat_map(|p| {
+            p.findings
+                .iter()
+                .map(move |f| format!("prefill rank {} / decode rank {}: {f}", p.prefill_rank, p.decode_rank))
+        })
+        .collect();
     Ok(CheckReport {
         name: s.name.clone(),
         mode: s.mode,
-        local_side,
+        local_side: local_side_of(s.mode),
         tp: (s.prefill.tp_size, s.decode.tp_size),
+        compatible: summary.compatible,
         pairs,
         summary,
+        reasons,
     })
+}
+
+fn local_side_of(mode: TransferMode) -> &'static str {
+    match mode {
+        TransferMode::Pull => "decode",
+        TransferMode::Push => "prefill",
+    }
+}
+
+impl CheckReport {
+    /// The report of a deployment one of whose engines cannot be built: incompatible, for `reason`.
+    fn unbuildable(s: &Scenario, reason: String) -> CheckReport {
+        CheckReport {
+            name: s.name.clone(),
+            mode: s.mode,
+            local_side: local_side_of(s.mode),
+            tp: (s.prefill.tp_size, s.decode.tp_size),
+            pairs: Vec::new(),
+            summary: CheckSummary {
+                requests: s.requests.len(),
+                ..CheckSummary::default()
+            },
+            compatible: false,
+            reasons: vec![reason],
+        }
+    }
 }
 
 /// Parse `text` as a scenario and check it.

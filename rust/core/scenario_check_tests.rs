@@ -155,15 +155,33 @@ fn a_request_that_cannot_be_planned_names_both_lengths() {
         .detail
         .starts_with("request req-0: unpairable SSM state slots"));
     assert_eq!((r.summary.planned_ranks, r.summary.plans), (1, 0));
+    assert!(!r.compatible && r.reasons.len() == 1, "{:?}", r.reasons);
+    assert!(
+        r.reasons[0].starts_with("prefill rank 0 / decode rank 0: plan_request: local 3 states, remote 1 states"),
+        "{}",
+        r.reasons[0]
+    );
 }
 
 #[test]
-fn malformed_scenarios_and_unbuildable_engines_are_errors() {
+fn malformed_scenarios_are_errors_and_unbuildable_engines_are_incompatible() {
     assert!(matches!(
         check_scenario_json("{\"model\": 1}"),
         Err(ScenarioError::Json(_))
     ));
+    // A TP size the model does not split over is a deployment that fails, reported like `check --preset`
+    // reports it (verdict and reasons at the top, exit 1 in the CLI), not a malformed file.
     let tp3 = F2.replace("\"prefill\": {\"tp_size\": 1", "\"prefill\": {\"tp_size\": 3");
-    let err = check_scenario_json(&tp3).unwrap_err().to_string();
-    assert!(err.contains("must all divide by prefill TP 3"), "{err}");
+    let r = check_scenario_json(&tp3).unwrap();
+    assert!(!r.compatible && !r.summary.compatible && r.pairs.is_empty(), "{r:?}");
+    assert_eq!(r.reasons.len(), 1);
+    assert!(
+        r.reasons[0].contains("must all divide by prefill TP 3"),
+        "{:?}",
+        r.reasons
+    );
+    // A compatible one has the verdict at the top too, and no reasons; an incompatible pair's findings are
+    // its reasons, prefixed with the pair.
+    let ok = check_scenario_json(F2).unwrap();
+    assert!(ok.compatible && ok.reasons.is_empty());
 }

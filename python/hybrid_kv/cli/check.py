@@ -43,6 +43,10 @@ def _summary_line(report: dict[str, Any]) -> str:
     s = report["summary"]
     p_tp, d_tp = report["tp"]
     setup = f"prefill TP {p_tp} -> decode TP {d_tp}, {report['mode']} ({report['local_side']} posts)"
+    if not report["pairs"]:  # an engine cannot be built at its TP size: the reason says why
+        from rich.markup import escape
+
+        return f"[bold red]INCOMPATIBLE[/bold red]: {setup}; {escape('; '.join(report['reasons']))}"
     if s["compatible"]:
         pairs = "the rank pair passes" if s["pairs"] == 1 else f"all {s['pairs']} rank pairs pass"
         return (
@@ -81,14 +85,16 @@ def print_check_report(report: dict[str, Any]) -> None:
     console = make_console()
     if report.get("name"):
         console.print(f"[bold]{escape(report['name'])}[/bold]")
-    console.print(table)
+    if report["pairs"]:
+        console.print(table)
     console.print(_summary_line(report))
 
 
 def run_scenario(args: argparse.Namespace) -> int:
     """Handshake-check every rank pair of the scenario and plan its requests; 0 only when every pair passes.
 
-    A malformed scenario, or one with an engine that cannot be built at all, raises (one line, exit 2).
+    1 when the deployment is incompatible, an engine that cannot be built at its TP size included (as
+    ``check --preset`` reports it); a malformed scenario raises (one line, exit 2).
     """
     from .._core import check_scenario
 
