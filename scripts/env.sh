@@ -23,8 +23,8 @@ want="$(sha256sum "$HKV_ROOT/requirements-dev.txt" | cut -d' ' -f1)"
 # One progress line per package pip fetches or installs (a first run downloads torch: minutes).
 hkv_pip() {
     python -m pip install --progress-bar off "$@" 2>&1 \
-        | { grep --line-buffered -E '^(Collecting|Downloading|Installing collected|Successfully installed|ERROR|error)' \
-            || true; } | sed -u 's/^/[hybrid-kv]   /' >&2
+        | { grep --line-buffered -E '^ *(Collecting|Downloading|Installing collected|Successfully installed|ERROR|error)' \
+            || true; } | sed -u -E 's/^ */[hybrid-kv]   /' >&2
 }
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "[hybrid-kv] installing Python requirements (torch is large; this happens once per machine)" >&2
