@@ -102,3 +102,18 @@ def test_kimi_linear_pull(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> N
     s = _stats(d)
     assert len(s["bytes"]) == 3 * d_tp and all(b > 0 for b in s["bytes"])
     assert s["num_failed_transfers"] == 0
+
+
+@pytest.mark.parametrize(("model", "p_tp", "d_tp"), [("gqa", 1, 2), ("mla", 2, 1)])
+def test_gqa_and_pure_mla_pull(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int) -> None:
+    """A GQA model (heads split across decode ranks) and a pure-MLA model (replicated latents)."""
+    p, d = _transfer(model_dirs, model, p_tp, d_tp, "pull", [300, 517])
+    s = _stats(d)
+    assert s["bytes"] and all(b > 0 for b in s["bytes"]) and s["num_failed_transfers"] == 0
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+def test_kimi_linear_push(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> None:
+    """The seed case in push mode: prefill WRITEs into the decode ranks."""
+    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "push", [300, 517, 64])
+    assert _stats(p)["num_failed_transfers"] == 0
