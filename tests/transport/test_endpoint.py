@@ -284,3 +284,22 @@ def test_transport_errors_join_the_package_hierarchy() -> None:
     assert issubclass(TransportTransferError, hybrid_kv.TransferError)
     assert issubclass(TransportTransferError, hybrid_kv.HybridKvError)
     assert TransportHandshakeError is hybrid_kv.HandshakeError
+
+
+def test_nixl_telemetry_counts_merged_descriptors_and_bytes(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
+) -> None:
+    p, d, src, dst = pair
+    d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    # 4 ids consecutive on both sides of the dense "whole" row (NIXL merges them into one descriptor), and 2
+    # scattered ones (two descriptors): 3 descriptors, 6 blocks.
+    h = d.post(
+        "t",
+        [(0, "whole", "whole", ids(0, 1, 2, 3), ids(4, 5, 6, 7)), (0, "whole", "whole", ids(5, 7), ids(2, 0))],
+        "READ",
+        2.0,
+    )
+    ev = pump(d, lambda e: e.done or e.failed, 3.0, others=[p])
+    assert ev.done == ["t"] and h.state is RequestState.DONE
+    assert (h.stats.transfers, h.stats.descriptors, h.stats.bytes) == (2, 3, 6 * BLOCK)
+    assert h.stats.post_s >= 0 and h.stats.transfer_s >= 0

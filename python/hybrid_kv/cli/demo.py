@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     avg = result.bytes_moved / result.descriptors if result.descriptors else 0
     t.add_row(
         "descriptors posted",
-        f"{result.descriptors} in {result.nixl_transfers} NIXL transfers ({_size(avg)} per descriptor on average)",
+        f"{result.descriptors} by NIXL from {result.descriptor_ids} ids, in {result.nixl_transfers} NIXL transfers "
+        f"({_size(avg)} per descriptor on average)",
     )
     tables = "; ".join(
         f"{rank}: {len(v)} x {next(iter(v.values()))['rows']} strided rows = "

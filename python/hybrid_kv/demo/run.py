@@ -88,7 +88,8 @@ class DemoResult:
     requests: int = 0
     tokens: list[int] = field(default_factory=list)
     bytes_moved: int = 0
-    descriptors: int = 0
+    descriptor_ids: int = 0  # ids the plans handed NIXL
+    descriptors: int = 0  # descriptors NIXL posted, after merging ids consecutive on both sides (telemetry)
     nixl_transfers: int = 0
     peers: dict[str, list[int]] = field(default_factory=dict)
     tables: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
@@ -330,10 +331,11 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
                 senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
                 ranks.send([("decode", d)], "expect", senders)
         moved = ranks.collect("transferred", ranks.keys(active))
-        for plan_s, transfer_s, descs, nbytes, _n, xfers in moved.values():
+        for plan_s, transfer_s, ids, posted, nbytes, _n, xfers in moved.values():
             result.plan_s += plan_s
             result.transfer_s = max(result.transfer_s, transfer_s)
-            result.descriptors += descs
+            result.descriptor_ids += ids
+            result.descriptors += posted
             result.bytes_moved += nbytes
             result.nixl_transfers += xfers
         tensors = prefill.preset.num_tensors

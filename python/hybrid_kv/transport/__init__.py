@@ -11,7 +11,17 @@ arrays the planner produces.
 from typing import TYPE_CHECKING, Any
 
 from .errors import HandshakeError, TransferError
-from .requests import ControlMessage, Op, PeerKey, PollResult, RemoteEvent, RequestHandle, RequestState, Transfer
+from .requests import (
+    ControlMessage,
+    Op,
+    PeerKey,
+    PollResult,
+    RemoteEvent,
+    RequestHandle,
+    RequestState,
+    Transfer,
+    TransferStats,
+)
 from .tables import DescTable, check_ids, expand_strided
 
 if TYPE_CHECKING:
@@ -39,6 +49,7 @@ __all__ = [
     "RequestState",
     "Transfer",
     "TransferError",
+    "TransferStats",
     "check_ids",
     "expand_strided",
 ]

@@ -75,7 +75,9 @@ class Agent:
 
     def __init__(self, name: str, mem_type: str) -> None:
         self.mem_type = mem_type
-        self.nixl: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        # Telemetry: each completed transfer's bytes, descriptors (after NIXL's merge) and post/transfer time.
+        config = nixl_agent_config(enable_prog_thread=False, backends=[], capture_telemetry=True)
+        self.nixl: Any = nixl_agent(name, config)
         self.tables: dict[str, DescTable] = {}
         self.local: dict[str, Any] = {}
         self.zombies: list[Any] = []

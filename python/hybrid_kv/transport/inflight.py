@@ -263,6 +263,11 @@ class InFlight:
             return False
         if status == "DONE":
             req._done[i] = True
+            xfer = req._xfers[i]
+            try:
+                req.stats.add(self._agent.nixl.get_xfer_telemetry(xfer))
+            except CALL_ERRORS:
+                pass  # telemetry is a report, never a reason to fail a transfer that completed
             self._release(req, i)
         return True
 

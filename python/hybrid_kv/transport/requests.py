@@ -12,7 +12,17 @@ import numpy.typing as npt
 
 from .errors import TransferError
 
-__all__ = ["ControlMessage", "Op", "PeerKey", "PollResult", "RemoteEvent", "RequestHandle", "RequestState", "Transfer"]
+__all__ = [
+    "ControlMessage",
+    "Op",
+    "PeerKey",
+    "PollResult",
+    "RemoteEvent",
+    "RequestHandle",
+    "RequestState",
+    "Transfer",
+    "TransferStats",
+]
 
 Op = Literal["READ", "WRITE"]
 PeerKey = int | str
@@ -45,6 +55,33 @@ class RequestState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass
+class TransferStats:
+    """What NIXL reports for a request's completed transfers (its telemetry), summed over them.
+
+    Attributes:
+        transfers: transfers that completed.
+        descriptors: descriptors NIXL posted, after merging ids consecutive on both sides.
+        bytes: bytes moved.
+        post_s: time NIXL spent posting (summed).
+        transfer_s: the longest transfer's duration from post to completion.
+    """
+
+    transfers: int = 0
+    descriptors: int = 0
+    bytes: int = 0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
+
+    def add(self, telemetry: Any) -> None:
+        """Add one completed transfer's ``get_xfer_telemetry()`` record."""
+        self.transfers += 1
+        self.descriptors += int(telemetry.descCount)
+        self.bytes += int(telemetry.totalBytes)
+        self.post_s += float(telemetry.postDuration) / 1e6
+        self.transfer_s = max(self.transfer_s, float(telemetry.xferDuration) / 1e6)
+
+
 @dataclass(eq=False)
 class RequestHandle:
     """A request posted with ``Endpoint.post`` (or awaited with ``Endpoint.expect``).
@@ -56,6 +93,7 @@ class RequestHandle:
         deadline: ``time.monotonic()`` value after which the request fails.
         state: current ``RequestState``.
         error: the ``TransferError`` once failed.
+        stats: NIXL's telemetry of the transfers completed so far (active requests).
     """
 
     request_id: str
@@ -64,6 +102,7 @@ class RequestHandle:
     deadline: float
     state: RequestState = RequestState.QUEUED
     error: TransferError | None = None
+    stats: TransferStats = field(default_factory=TransferStats)
     # one slot per transfer: the NIXL xfer handle while it exists, and whether it reached DONE
     _xfers: list[Any] = field(default_factory=list, repr=False)
     _done: list[bool] = field(default_factory=list, repr=False)
