@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from typing import Any
 
 import pytest
@@ -27,9 +28,24 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return write_model_dirs(tmp_path_factory.mktemp("models"))
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _ports() -> tuple[int, int]:
-    base = random.Random(os.getpid()).randrange(20000, 50000, 100)
-    return base, base + 50
+    """Side-channel base ports of the two engines (rank r listens on base + r), free now and below the
+    ephemeral range (32768 and up here), where connections' local ports would collide with them."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 32000, 100)
+        if all(_free(base + off + r) for off in (0, 50) for r in range(4)):
+            return base, base + 50
+    raise RuntimeError("no free side-channel ports between 10000 and 32000")
 
 
 def _transfer(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int]) -> Any:
