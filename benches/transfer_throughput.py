@@ -86,8 +86,8 @@ def median_s(fn: Callable[[], Any], repeats: int) -> float:
 class Initiator:
     """The READing side: one endpoint connected to the target, and the two ways of posting a request."""
 
-    def __init__(self, ep: Endpoint, size: int) -> None:
-        self.ep, self.size, self.n = ep, size, 0
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep, self.n = ep, 0
         self.nixl = ep._agent.nixl
         self.peer = ep._peers[0]
 
@@ -144,7 +144,7 @@ def measure(size: int, block_sizes: list[int], huge: bool, repeats: int) -> list
                 return tables_for(base, remote_size, block_sizes)
 
             ep.connect(0, address, remote_tables, timeout_s=30.0)
-            it = Initiator(ep, size)
+            it = Initiator(ep)
             memcpy_s = median_s(lambda: np.copyto(base_dst, src_local), repeats)
             rng = np.random.default_rng(0)
             for bs in block_sizes:

@@ -14,7 +14,7 @@
 //! `fuzz_peer` example whose process death is the failure); an allocation beyond the address-space limit the
 //! example runs under aborts it.
 
-use super::descs::{DescTable, StridedRow};
+use super::descs::StridedRow;
 use super::fixtures::{deepseek_v3_like, kimi_linear_like};
 use super::handshake::{decode, encode, findings, Expected};
 use super::layout::RankLayout;
@@ -403,10 +403,6 @@ fn row_inside(extents: &[(u64, u64)], row: &StridedRow) -> bool {
     }
 }
 
-fn rows(t: &DescTable) -> &[StridedRow] {
-    &t.rows
-}
-
 /// Build a peer plan from `remotes` exactly as given (not validated), check every remote row, and plan a few
 /// random requests, checking every move.
 fn try_plan(rng: &mut Rng, case: &Case, remotes: &[AgentMeta], report: &mut Report) {
@@ -424,7 +420,7 @@ fn try_plan(rng: &mut Rng, case: &Case, remotes: &[AgentMeta], report: &mut Repo
             continue;
         };
         let ext: Vec<(u64, u64)> = m.regions.iter().filter_map(|r| Some((r.base, r.end()?))).collect();
-        for row in rows(table) {
+        for row in &table.rows {
             report.rows_checked += 1;
             if !row_inside(&ext, row) {
                 report.rows_outside += 1;
