@@ -1,27 +1,85 @@
 //! Small hand-checked layouts, shared by unit tests, property tests and benches.
+//!
+//! The small MLA/KDA specs and the F.2 geometry are data in `python/hybrid_kv/fixtures.json`, read here at
+//! compile time (`include_str!`) and by `hybrid_kv.fixtures` at import: one source for both languages.
+
+use std::sync::OnceLock;
+
+use serde::Deserialize;
 
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
 use super::spec::{LayerSpec, MambaKind, MlaSpec, SsmSpec};
 
+/// The shared fixture data (`python/hybrid_kv/fixtures.json`), embedded at compile time.
+const FIXTURES_JSON: &str = include_str!("../../python/hybrid_kv/fixtures.json");
+
+/// `fixtures.json` as typed data.
+#[derive(Debug, Deserialize)]
+struct Fixtures {
+    mla: LayerSpec,
+    kda: LayerSpec,
+    f2: F2,
+}
+
+/// The F.2 layout: page, block sizes and the layers sharing each tensor.
+#[derive(Debug, Deserialize)]
+struct F2 {
+    page_bytes: u64,
+    logical_block_size: u64,
+    kernel_block_size: u64,
+    sharers: Vec<Sharer>,
+}
+
+/// One layer sharing each F.2 tensor: name prefix, KV-cache group, and which spec it has.
+#[derive(Debug, Deserialize)]
+struct Sharer {
+    name: String,
+    group: u32,
+    spec: SharerSpec,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum SharerSpec {
+    Mla,
+    Kda,
+}
+
+/// The parsed data; a malformed `fixtures.json` is a bug in the repository, caught by this module's tests.
+fn fixtures() -> &'static Fixtures {
+    static DATA: OnceLock<Fixtures> = OnceLock::new();
+    DATA.get_or_init(|| {
+        let data: Fixtures = serde_json::from_str(FIXTURES_JSON)
+            .unwrap_or_else(|e| panic!("python/hybrid_kv/fixtures.json does not parse: {e}"));
+        assert!(
+            matches!(data.mla, LayerSpec::Mla(_)),
+            "fixtures.json: `mla` is not an MLA spec"
+        );
+        assert!(
+            matches!(data.kda, LayerSpec::Ssm(_)),
+            "fixtures.json: `kda` is not an SSM spec"
+        );
+        data
+    })
+}
+
+/// Bytes of one logical block of one F.2 tensor (12 tokens of 6 fp16 latents; the padded KDA page): 144.
+pub fn f2_page() -> u64 {
+    fixtures().f2.page_bytes
+}
+
 /// The test KDA spec: GDN, conv `(8, 3)` fp16, temporal `(1, 4, 4)` fp32, padded to `page`.
 pub fn kda_spec(page: u64) -> LayerSpec {
-    LayerSpec::Ssm(SsmSpec {
-        kind: MambaKind::Gdn,
-        conv_shape: [8, 3],
-        conv_dtype_bytes: 2,
-        temporal_shape: vec![1, 4, 4],
-        temporal_dtype_bytes: 4,
-        page_size_padded: Some(page),
-    })
+    let mut spec = fixtures().kda.clone();
+    if let LayerSpec::Ssm(SsmSpec { page_size_padded, .. }) = &mut spec {
+        *page_size_padded = Some(page);
+    }
+    spec
 }
 
 /// The test MLA spec: one latent of 6 fp16 elements per token.
 pub fn mla_spec() -> LayerSpec {
-    LayerSpec::Mla(MlaSpec {
-        head_size: 6,
-        dtype_bytes: 2,
-        page_size_padded: None,
-    })
+    fixtures().mla.clone()
 }
 
 /// Dense memory of one layer on device 0: `bytes` from `base`, pages back to back, the rank's block count.
@@ -40,17 +98,18 @@ pub fn dense_memory(base: u64, bytes: u64, mem_type: MemType) -> LayerMemory {
 /// logical block 12 tokens, kernel block 4 (ppl 3), `num_blocks` logical blocks of 144 bytes.
 /// Layers are listed KDA-first, as the vLLM test registers them.
 pub fn hybrid_mla_f2(bases: [u64; 2], num_blocks: u64) -> RankLayout {
-    let page = 144;
+    let f2 = &fixtures().f2;
+    let page = f2.page_bytes;
     let mut layers = Vec::new();
     for (i, &base) in bases.iter().enumerate() {
-        for (name, group, spec) in [
-            ("kda_a", 1, kda_spec(page)),
-            ("mla", 0, mla_spec()),
-            ("kda_b", 2, kda_spec(page)),
-        ] {
+        for sharer in &f2.sharers {
+            let spec = match sharer.spec {
+                SharerSpec::Mla => mla_spec(),
+                SharerSpec::Kda => kda_spec(page),
+            };
             layers.push(LayerInput {
-                name: format!("{name}.{i}"),
-                group,
+                name: format!("{}.{i}", sharer.name),
+                group: sharer.group,
                 spec,
                 memory: dense_memory(base, num_blocks * page, MemType::Dram),
             });
@@ -59,8 +118,8 @@ pub fn hybrid_mla_f2(bases: [u64; 2], num_blocks: u64) -> RankLayout {
     RankLayout {
         tp_rank: 0,
         tp_size: 1,
-        logical_block_size: 12,
-        kernel_block_size: 4,
+        logical_block_size: f2.logical_block_size,
+        kernel_block_size: f2.kernel_block_size,
         num_logical_blocks: num_blocks,
         total_num_kv_heads: 1,
         layers,
@@ -148,5 +207,69 @@ pub fn kimi_linear_like(regions: u32, heads: u64, num_logical_blocks: u64) -> Ra
         num_logical_blocks,
         total_num_kv_heads: 1,
         layers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::region::RegionTable;
+
+    /// The data file holds the hand-checked vectors the tests were written against.
+    #[test]
+    fn fixture_data_is_the_hand_checked_f2_vectors() {
+        assert_eq!(
+            mla_spec(),
+            LayerSpec::Mla(MlaSpec {
+                head_size: 6,
+                dtype_bytes: 2,
+                page_size_padded: None,
+            })
+        );
+        assert_eq!(
+            kda_spec(160),
+            LayerSpec::Ssm(SsmSpec {
+                kind: MambaKind::Gdn,
+                conv_shape: [8, 3],
+                conv_dtype_bytes: 2,
+                temporal_shape: vec![1, 4, 4],
+                temporal_dtype_bytes: 4,
+                page_size_padded: Some(160),
+            })
+        );
+        assert_eq!(f2_page(), 144);
+        let layout = hybrid_mla_f2([0x1000, 0x9000], 4);
+        let names: Vec<(&str, u32)> = layout.layers.iter().map(|l| (l.name.as_str(), l.group)).collect();
+        assert_eq!(
+            names,
+            [
+                ("kda_a.0", 1),
+                ("mla.0", 0),
+                ("kda_b.0", 2),
+                ("kda_a.1", 1),
+                ("mla.1", 0),
+                ("kda_b.1", 2)
+            ]
+        );
+        assert_eq!((layout.logical_block_size, layout.kernel_block_size), (12, 4));
+        assert!(layout.layers.iter().all(|l| l.memory.bytes == 4 * 144));
+    }
+
+    /// The F.2 page is the MLA page of one logical block, and it holds the KDA state.
+    #[test]
+    fn f2_page_is_the_mla_page_and_holds_the_kda_state() {
+        let f2 = &fixtures().f2;
+        let LayerSpec::Mla(mla) = mla_spec() else {
+            panic!("mla_spec is not MLA")
+        };
+        assert_eq!(f2.page_bytes, f2.logical_block_size * mla.head_size * mla.dtype_bytes);
+        assert_eq!(f2.logical_block_size % f2.kernel_block_size, 0);
+        let LayerSpec::Ssm(kda) = kda_spec(f2.page_bytes) else {
+            panic!("kda_spec is not SSM")
+        };
+        let state = kda.conv_shape.iter().product::<u64>() * kda.conv_dtype_bytes
+            + kda.temporal_shape.iter().product::<u64>() * kda.temporal_dtype_bytes;
+        assert!(state <= f2.page_bytes, "KDA state {state} > page {}", f2.page_bytes);
+        assert!(RegionTable::build(&hybrid_mla_f2([0x1000, 0x9000], 4)).is_ok());
     }
 }
