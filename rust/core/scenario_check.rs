@@ -13,6 +13,7 @@ use super::plan::{PeerPlan, Plan};
 use super::plan_error::PlanError;
 use super::region::RegionTable;
 use super::scenario::{build_engines, Scenario, ScenarioError};
+use super::scenario_ranks::{link_peer, rank_costs, RankCost};
 
 /// Whether a rank pair can exchange KV caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -84,6 +85,10 @@ pub struct CheckReport {
     /// Why the deployment is incompatible, one line each, as in `check --preset`: every finding prefixed with
     /// its rank pair, or why an engine cannot be built.
     pub reasons: Vec<String>,
+    /// Every rank of both engines and what the requests cost it, prefill first (only when asked for, see
+    /// [`check_scenario_with`]; left out of the JSON when empty).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankCost>,
 }
 
 /// Check every rank pair of the deployment `s` describes. An engine that cannot be built at its TP size (heads,
@@ -93,6 +98,15 @@ pub struct CheckReport {
 /// # Errors
 /// `Json`, `Invalid` or `OverLimit` for a scenario the format forbids.
 pub fn check_scenario(s: &Scenario) -> Result<CheckReport, ScenarioError> {
+    check_scenario_with(s, true, false)
+}
+
+/// [`check_scenario`], choosing whether peer plans coalesce runs into chunk descriptors (`false`: the
+/// reference plans) and whether the report lists every rank's costs (`ranks`).
+///
+/// # Errors
+/// As [`check_scenario`].
+pub fn check_scenario_with(s: &Scenario, coalesce: bool, with_ranks: bool) -> Result<CheckReport, ScenarioError> {
     let (prefill, decode) = match build_engines(s) {
         Ok(engines) => engines,
         Err(e @ (ScenarioError::Deployment(_) | ScenarioError::Layout { .. })) => {
@@ -127,9 +141,16 @@ pub fn check_scenario(s: &Scenario) -> Result<CheckReport, ScenarioError> {
         requests: s.requests.len(),
         ..CheckSummary::default()
     };
+    let mut costs = rank_costs(&prefill, &decode, s.mode == TransferMode::Push);
+    let local_side = local_side_of(s.mode);
     for l in local {
         let rank = l.table.tp_rank;
         let mine: Vec<usize> = (0..pairs.len()).filter(|&i| pairs[i].local_rank == rank).collect();
+        let cost = costs.iter().position(|c| c.role == local_side && c.rank == rank);
+        if let Some(c) = cost {
+            costs[c].peers = mine.iter().map(|&i| pairs[i].remote_rank).collect();
+            costs[c].peers.sort_unstable();
+        }
         if mine.is_empty() || mine.iter().any(|&i| !pairs[i].findings.is_empty()) {
             continue; // an incompatible handshake is not planned: its findings already say why
         }
@@ -143,7 +164,14 @@ pub fn check_scenario(s: &Scenario) -> Result<CheckReport, ScenarioError> {
         };
         let ranks: Vec<u32> = metas.iter().map(|m| m.tp_rank).collect();
         let who = (format!("{} rank {rank}", who.0), format!("{} ranks {ranks:?}", who.1));
-        let found = plan_rank(s, &l.table, &metas, &who, &mut summary);
+        let mut own = cost.map(|c| costs[c].clone());
+        let (found, touched) = plan_rank(s, &l.table, &metas, &who, &mut summary, coalesce, own.as_mut());
+        if let (Some(c), Some(own)) = (cost, own) {
+            costs[c] = own;
+        }
+        for remote in touched {
+            link_peer(&mut costs, local_side, rank, remote);
+        }
         for &i in &mine {
             pairs[i].findings.extend(found.iter().cloned());
         }
@@ -168,12 +196,13 @@ pub fn check_scenario(s: &Scenario) -> Result<CheckReport, ScenarioError> {
     Ok(CheckReport {
         name: s.name.clone(),
         mode: s.mode,
-        local_side: local_side_of(s.mode),
+        local_side,
         tp: (s.prefill.tp_size, s.decode.tp_size),
         compatible: summary.compatible,
         pairs,
         summary,
         reasons,
+        ranks: if with_ranks { costs } else { Vec::new() },
     })
 }
 
@@ -199,6 +228,7 @@ impl CheckReport {
             },
             compatible: false,
             reasons: vec![reason],
+            ranks: Vec::new(),
         }
     }
 }
@@ -215,18 +245,26 @@ pub fn check_scenario_json(text: &str) -> Result<CheckReport, ScenarioError> {
 type Who = (String, String);
 
 /// Build one local rank's peer plan and plan (and resolve) every request on it; each failure is a finding.
+/// Returns the findings and the remote ranks its planned requests transfer to; `cost` gets its tables and
+/// its requests' costs.
 fn plan_rank(
     s: &Scenario,
     table: &RegionTable,
     metas: &[AgentMeta],
     who: &Who,
     summary: &mut CheckSummary,
-) -> Vec<Finding> {
-    let peer = match PeerPlan::new(table, metas, s.mode) {
+    coalesce: bool,
+    mut cost: Option<&mut RankCost>,
+) -> (Vec<Finding>, Vec<u32>) {
+    let peer = match PeerPlan::with_coalescing(table, metas, s.mode, coalesce) {
         Ok(p) => p,
-        Err(e) => return vec![plan_finding("peer_plan", None, &e, s.mode, who)],
+        Err(e) => return (vec![plan_finding("peer_plan", None, &e, s.mode, who)], Vec::new()),
     };
     summary.planned_ranks += 1;
+    if let Some(c) = cost.as_deref_mut() {
+        c.add_peer_plan(&peer);
+    }
+    let mut touched: Vec<u32> = Vec::new();
     let mut out = Vec::new();
     let mut plan = Plan::default();
     for req in &s.requests {
@@ -240,8 +278,15 @@ fn plan_rank(
                 |acc, t| Ok(acc + peer.moves(t)?.iter().map(|m| m[2]).sum::<u64>()),
             )
         });
+        let resolved = resolved.and_then(|bytes| {
+            if let Some(c) = cost.as_deref_mut() {
+                c.add_plan(&peer, &plan)?;
+            }
+            Ok(bytes)
+        });
         match resolved {
             Ok(bytes) => {
+                touched.extend(plan.transfers.iter().map(|t| t.remote_rank));
                 summary.plans += 1;
                 summary.transfers += plan.transfers.len();
                 summary.bytes += bytes;
@@ -249,7 +294,7 @@ fn plan_rank(
             Err(e) => out.push(plan_finding("plan_request", Some(&req.id), &e, s.mode, who)),
         }
     }
-    out
+    (out, touched)
 }
 
 /// A planning error as a finding: errors that carry both sides' values put them in `local` and `remote`,
