@@ -43,6 +43,7 @@ class EngineSpec:
     host: str = "127.0.0.1"
     extra: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
+    netns: str | None = None  # network namespace (``ip netns`` name) the workers run in; None: the test's own
 
     @property
     def logical_block_size(self) -> int:
@@ -318,8 +319,43 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) nstype of a network namespace
+CLONE_NEWNS = 0x00020000  # <sched.h>: unshare(2) flag of a mount namespace
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2  # <sys/mount.h>
+
+
+def enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (``/run/netns/NAME``, as ``ip netns add`` made it),
+    as ``ip netns exec`` does: ``setns``, then a private mount namespace with a fresh ``/sys``, since UCX
+    finds its network devices under ``/sys/class/net``, which otherwise lists the old namespace's devices.
+
+    ``setns`` moves the calling thread only and ``unshare(CLONE_NEWNS)`` needs a single-threaded process:
+    call it first thing in a fresh process, before any thread, socket or UCX context exists.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"entering network namespace {name!r}: {what} failed: {os.strerror(err)}")
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None), "making / a slave mount")
+    check(libc.umount2(b"/sys", MNT_DETACH), "unmounting /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mounting this namespace's sysfs on /sys")
+
+
 def worker_main(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
     try:
+        if spec.netns is not None:
+            enter_netns(spec.netns)
         _worker(spec, rank, dist_port, conn)
     except BaseException as exc:  # report, never hang the test
         try:
