@@ -44,6 +44,8 @@ for py in "${pythons[@]}"; do
     [ "$("$cli" --version)" = "$want" ] || fail "$ver" "--version does not print '$want'"
     "$cli" check --preset tiny-kimi-linear --prefill-tp 2 --decode-tp 1 >/dev/null \
         || fail "$ver" "check --preset without torch, nixl and zmq"
+    "$venv/bin/python" -c 'from hybrid_kv import fixtures, presets; assert fixtures.F2_PAGE and presets.PRESETS' \
+        || fail "$ver" "the package's data files (fixtures.json, presets.json) not loaded"
     "$cli" plan tests/data/scenarios/hybrid_mla_f2.json >/dev/null || fail "$ver" "plan"
     for cmd in regions demo; do
         set +e; err="$("$cli" "$cmd" 2>&1 >/dev/null)"; rc=$?; set -e

@@ -25,13 +25,15 @@ How a layout follows from a model:
 * **dtypes.** Attention and conv states in bf16; temporal (recurrent) states in fp32, as
   ``mamba_ssm_dtype: float32`` in the Qwen3.5 configs.
 
-Where the numbers were read: each preset's ``source`` is the model's canonical ``config.json``; the values were
-taken from copies of those configs found through a search of public pages and code (Kimi-Linear: the
-``Firworks/Kimi-Linear-48B-A3B-Instruct-nvfp4`` mirror of the same config; DeepSeek-V3 and Nemotron-H-8B: config
-dicts quoted verbatim in public test suites, the Nemotron one with its ``hybrid_override_pattern``; Qwen3-Next:
-the Qwen3-Coder-Next / Qwen3-Next configs with identical linear-attention fields and vLLM's ``Qwen3NextConfig``
-defaults; Qwen3.5-27B: its ``text_config`` quoted in public tests). vLLM's ``derive_mamba_conv_split``
-vectors for Nemotron-H-8B and Qwen3.5-27B agree with them and are checked in ``tests/test_presets.py``.
+The numbers are data in ``presets.json`` beside this module: per preset, the configuration fields used and the
+shape parameters taken from them. Where they were read: each preset's ``source`` is the model's canonical
+``config.json``; the values were taken from copies of those configs found through a search of public pages and
+code (Kimi-Linear: the ``Firworks/Kimi-Linear-48B-A3B-Instruct-nvfp4`` mirror of the same config; DeepSeek-V3 and
+Nemotron-H-8B: config dicts quoted verbatim in public test suites, the Nemotron one with its
+``hybrid_override_pattern``; Qwen3-Next: the Qwen3-Coder-Next / Qwen3-Next configs with identical linear-attention
+fields and vLLM's ``Qwen3NextConfig`` defaults; Qwen3.5-27B: its ``text_config`` quoted in public tests). vLLM's
+``derive_mamba_conv_split`` vectors for Nemotron-H-8B and Qwen3.5-27B agree with them and are checked in
+``tests/test_presets.py``.
 
 Known difference: the vLLM test comment gives KimiLinear logical blocks of 5760
 (TP 1) and 768 (TP 8); the published config with the formula above gives 1920 and 256 (the same
@@ -42,9 +44,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._core import LayoutError
 from .layout import Spec, layer, rank_layout
@@ -61,6 +64,8 @@ __all__ = [
     "get_preset",
     "preset_names",
 ]
+
+_S = TypeVar("_S", "AttentionShape", "SsmShape")
 
 SYNTHETIC_BASE = 0x7F00_0000_0000
 _TENSOR_GAP = 1 << 20  # bytes left between synthetic tensors
@@ -536,7 +541,7 @@ class Preset:
 
     def summary(self, tp: int, **geometry_kw: int | None) -> dict[str, Any]:
         """Facts about this preset at TP ``tp`` (JSON-friendly)."""
-        geo = self.geometry(tp, **geometry_kw)  # type: ignore[arg-type]
+        geo = self.geometry(tp, **geometry_kw)
         return {
             "name": self.name,
             "title": self.title,
@@ -553,6 +558,8 @@ class Preset:
 
 
 # ---------------------------------------------------------------------------------------------- the presets
+# The shapes are data in ``presets.json`` (shipped beside this module); the functions below turn one entry into a
+# Preset: its attention and SSM shapes through the builders named by their ``kind``, its layer order from ``layers``.
 
 
 def _pattern(num_layers: int, attention_layers: list[int]) -> str:
@@ -571,6 +578,24 @@ def _nemotron(pattern: str) -> str:
     return "".join({"M": "S", "*": "A"}[c] for c in pattern if c != "-")
 
 
+def _layer_kinds(layers: dict[str, Any] | None) -> str:
+    """A preset's layer order (one ``A``/``S`` per layer) from its ``layers`` entry; none means all attention."""
+    if layers is None:
+        return ""
+    if "full_attn_layers" in layers:  # 1-based, as Kimi's linear_attn_config lists them
+        return _pattern(layers["num_layers"], [i - 1 for i in layers["full_attn_layers"]])
+    if "full_attention_interval" in layers:
+        return _every(layers["full_attention_interval"], layers["num_layers"])
+    if "hybrid_override_pattern" in layers:
+        return _nemotron(layers["hybrid_override_pattern"])
+    raise ValueError(f"presets.json: unknown layer order {sorted(layers)}")
+
+
+def _mla(layers: int, head_size: int, num_heads: int, kernel_block_size: int = 64) -> AttentionShape:
+    """MLA attention on FlashMLA (64-token kernel blocks unless the preset says otherwise)."""
+    return AttentionShape("mla", layers, head_size, num_heads=num_heads, kernel_block_size=kernel_block_size)
+
+
 def _gqa(layers: int, head_dim: int, kv_heads: int, heads: int) -> AttentionShape:
     """GQA attention on FlashAttention (16-token kernel blocks)."""
     return AttentionShape(
@@ -578,21 +603,22 @@ def _gqa(layers: int, head_dim: int, kv_heads: int, heads: int) -> AttentionShap
     )
 
 
-def _kimi(heads: int, head_dim: int, conv_kernel: int, kind_layers: int, attn_layers: int, **kw: Any) -> SsmShape:
+def _kimi(heads: int, head_dim: int, conv_kernel: int, layers: int) -> SsmShape:
+    """Kimi Delta Attention, stored as GDN: conv ``Q | K | V`` of ``heads * head_dim`` channels each."""
     d = heads * head_dim
     return SsmShape(
         "gdn",
-        kind_layers,
+        layers,
         (d, d, d),
         conv_kernel - 1,
         (heads, head_dim, head_dim),
         (("linear_attn_config.num_heads", heads),),
         label="KDA",
-        **kw,
     )
 
 
 def _gdn(k_heads: int, k_dim: int, v_heads: int, v_dim: int, conv_kernel: int, layers: int) -> SsmShape:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): conv ``Q | K | V``, recurrent ``(v_heads, v_dim, k_dim)``."""
     return SsmShape(
         "gdn",
         layers,
@@ -605,6 +631,7 @@ def _gdn(k_heads: int, k_dim: int, v_heads: int, v_dim: int, conv_kernel: int, l
 
 
 def _mamba2(heads: int, head_dim: int, state: int, n_groups: int, conv_kernel: int, layers: int) -> SsmShape:
+    """Mamba2 (Nemotron-H): conv ``x | B | C``, recurrent ``(heads, head_dim, state)``."""
     gs = n_groups * state
     return SsmShape(
         "mamba2",
@@ -617,181 +644,55 @@ def _mamba2(heads: int, head_dim: int, state: int, n_groups: int, conv_kernel: i
     )
 
 
-_KIMI_FULL = [4, 8, 12, 16, 20, 24, 27]  # linear_attn_config.full_attn_layers (1-based)
-_NEMOTRON_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+_ATTENTION_BUILDERS: dict[str, Callable[..., AttentionShape]] = {"mla": _mla, "gqa": _gqa}
+_SSM_BUILDERS: dict[str, Callable[..., SsmShape]] = {"kda": _kimi, "gdn": _gdn, "mamba2": _mamba2}
 
 
-def _build() -> dict[str, Preset]:
-    presets = [
-        Preset(
-            name="kimi-linear-48b-a3b",
-            title="Kimi-Linear-48B-A3B-Instruct",
-            source="https://huggingface.co/moonshotai/Kimi-Linear-48B-A3B-Instruct/blob/main/config.json",
-            fields={
-                "num_hidden_layers": 27,
-                "num_attention_heads": 32,
-                "kv_lora_rank": 512,
-                "qk_rope_head_dim": 64,
-                "linear_attn_config.full_attn_layers": _KIMI_FULL,
-                "linear_attn_config.kda_layers": "the other 20 of 1..27",
-                "linear_attn_config.num_heads": 32,
-                "linear_attn_config.head_dim": 128,
-                "linear_attn_config.short_conv_kernel_size": 4,
-                "dtype": "bfloat16",
-            },
-            attention=AttentionShape("mla", 7, 512 + 64, num_heads=32),
-            ssm=_kimi(32, 128, 4, 20, 7),
-            layer_kinds=_pattern(27, [i - 1 for i in _KIMI_FULL]),
-            notes="KDA states as GDN: conv Q|K|V of heads*head_dim channels each, recurrent (heads, 128, 128) fp32.",
-        ),
-        Preset(
-            name="deepseek-v3",
-            title="DeepSeek-V3",
-            source="https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json",
-            fields={
-                "num_hidden_layers": 61,
-                "num_attention_heads": 128,
-                "kv_lora_rank": 512,
-                "qk_rope_head_dim": 64,
-                "torch_dtype": "bfloat16 (KV cache; the fp8 weights do not change it)",
-            },
-            attention=AttentionShape("mla", 61, 512 + 64, num_heads=128),
-            notes="Pure MLA: no HMA, one tensor per layer, logical block = FlashMLA's 64.",
-        ),
-        Preset(
-            name="qwen3-next-80b-a3b",
-            title="Qwen3-Next-80B-A3B-Instruct",
-            source="https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json",
-            fields={
-                "num_hidden_layers": 48,
-                "full_attention_interval": 4,
-                "num_attention_heads": 16,
-                "num_key_value_heads": 2,
-                "head_dim": 256,
-                "linear_num_key_heads": 16,
-                "linear_key_head_dim": 128,
-                "linear_num_value_heads": 32,
-                "linear_value_head_dim": 128,
-                "linear_conv_kernel_dim": 4,
-                "dtype": "bfloat16",
-            },
-            attention=_gqa(12, 256, 2, 16),
-            ssm=_gdn(16, 128, 32, 128, 4, 36),
-            layer_kinds=_every(4, 48),
-        ),
-        Preset(
-            name="nemotron-h-8b",
-            title="Nemotron-H-8B-Base-8K",
-            source="https://huggingface.co/nvidia/Nemotron-H-8B-Base-8K/blob/main/config.json",
-            fields={
-                "num_hidden_layers": 52,
-                "hybrid_override_pattern": _NEMOTRON_8B,
-                "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "attention_head_dim": 128,
-                "mamba_num_heads": 128,
-                "mamba_head_dim": 64,
-                "ssm_state_size": 128,
-                "n_groups": 8,
-                "conv_kernel": 4,
-                "torch_dtype": "bfloat16",
-            },
-            attention=_gqa(4, 128, 8, 32),
-            ssm=_mamba2(128, 64, 128, 8, 4, 24),
-            layer_kinds=_nemotron(_NEMOTRON_8B),
-            notes="MLP-only layers ('-') hold no KV cache and are left out.",
-        ),
-        Preset(
-            name="qwen3.5-27b",
-            title="Qwen3.5-27B",
-            source="https://huggingface.co/Qwen/Qwen3.5-27B/blob/main/config.json",
-            fields={
-                "text_config.num_hidden_layers": 64,
-                "text_config.full_attention_interval": 4,
-                "text_config.num_attention_heads": 24,
-                "text_config.num_key_value_heads": 4,
-                "text_config.head_dim": 256,
-                "text_config.linear_num_key_heads": 16,
-                "text_config.linear_key_head_dim": 128,
-                "text_config.linear_num_value_heads": 48,
-                "text_config.linear_value_head_dim": 128,
-                "text_config.linear_conv_kernel_dim": 4,
-                "text_config.mamba_ssm_dtype": "float32",
-                "text_config.dtype": "bfloat16",
-            },
-            attention=_gqa(16, 256, 4, 24),
-            ssm=_gdn(16, 128, 48, 128, 4, 48),
-            layer_kinds=_every(4, 64),
-        ),
-        # ---- tiny variants: same kinds and sharing, small enough for a CPU demo
-        Preset(
-            name="tiny-kimi-linear",
-            title="tiny Kimi-Linear (demo)",
-            source="scaled down from kimi-linear-48b-a3b",
-            fields={"layers": 12, "kda_heads": 4, "kda_head_dim": 16, "mla_latent": 32 + 16, "kernel_block": 16},
-            attention=AttentionShape("mla", 3, 32 + 16, num_heads=4, kernel_block_size=16),
-            ssm=_kimi(4, 16, 4, 9, 3),
-            layer_kinds="SSSA" * 3,
-            tiny_of="kimi-linear-48b-a3b",
-            notes="Kernel block 16 instead of FlashMLA's 64 so that logical blocks stay small (64 tokens at TP 1).",
-        ),
-        Preset(
-            name="tiny-deepseek-v3",
-            title="tiny DeepSeek-V3 (demo)",
-            source="scaled down from deepseek-v3",
-            fields={"layers": 4, "mla_latent": 32 + 16, "kernel_block": 16},
-            attention=AttentionShape("mla", 4, 32 + 16, num_heads=4, kernel_block_size=16),
-            tiny_of="deepseek-v3",
-        ),
-        Preset(
-            name="tiny-qwen3-next",
-            title="tiny Qwen3-Next (demo)",
-            source="scaled down from qwen3-next-80b-a3b",
-            fields={"layers": 8, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2, "gdn_v_heads": 4, "gdn_dim": 16},
-            attention=_gqa(2, 16, 2, 4),
-            ssm=_gdn(2, 16, 4, 16, 4, 6),
-            layer_kinds=_every(4, 8),
-            tiny_of="qwen3-next-80b-a3b",
-        ),
-        Preset(
-            name="tiny-nemotron-h",
-            title="tiny Nemotron-H (demo)",
-            source="scaled down from nemotron-h-8b",
-            fields={
-                "pattern": "M-M*-M-M*-",
-                "kv_heads": 2,
-                "head_dim": 16,
-                "mamba_heads": 4,
-                "mamba_head_dim": 8,
-                "ssm_state_size": 8,
-                "n_groups": 2,
-            },
-            attention=_gqa(2, 16, 2, 4),
-            ssm=_mamba2(4, 8, 8, 2, 4, 4),
-            layer_kinds=_nemotron("M-M*-M-M*-"),
-            tiny_of="nemotron-h-8b",
-        ),
-        Preset(
-            name="tiny-qwen3.5",
-            title="tiny Qwen3.5 (demo)",
-            source="scaled down from qwen3.5-27b",
-            fields={"layers": 8, "kv_heads": 2, "head_dim": 16, "gdn_k_heads": 2, "gdn_v_heads": 6, "gdn_dim": 16},
-            attention=_gqa(2, 16, 2, 6),
-            ssm=_gdn(2, 16, 6, 16, 4, 6),
-            layer_kinds=_every(4, 8),
-            tiny_of="qwen3.5-27b",
-        ),
-    ]
-    for p in presets:
-        order = p.layer_order()
-        n_att = order.count("A")
-        n_ssm = order.count("S")
-        assert n_att == p.attention.num_layers, (p.name, n_att)
-        assert n_ssm == (p.ssm.num_layers if p.ssm else 0), (p.name, n_ssm)
-    return {p.name: p for p in presets}
+def _shape(builders: dict[str, Callable[..., _S]], entry: dict[str, Any]) -> _S:
+    """The shape of a ``{"kind": ..., **parameters}`` entry, built by the builder of that kind."""
+    params = dict(entry)
+    kind = params.pop("kind")
+    if kind not in builders:
+        raise ValueError(f"presets.json: unknown shape kind {kind!r}; known: {', '.join(builders)}")
+    return builders[kind](**params)
 
 
-PRESETS: dict[str, Preset] = _build()
+def _check_layer_counts(p: Preset) -> None:
+    """The layer order holds exactly the attention and SSM layer counts of the shapes."""
+    order = p.layer_order()
+    for letter, what, want in (
+        ("A", "attention", p.attention.num_layers),
+        ("S", "SSM", p.ssm.num_layers if p.ssm else 0),
+    ):
+        if order.count(letter) != want:
+            raise ValueError(f"presets.json: {p.name} orders {order.count(letter)} {what} layers, its shape has {want}")
+
+
+def _preset(entry: dict[str, Any]) -> Preset:
+    """One ``presets.json`` entry as a :class:`Preset`."""
+    ssm = entry.get("ssm")
+    preset = Preset(
+        name=entry["name"],
+        title=entry["title"],
+        source=entry["source"],
+        fields=entry["fields"],
+        attention=_shape(_ATTENTION_BUILDERS, entry["attention"]),
+        ssm=None if ssm is None else _shape(_SSM_BUILDERS, ssm),
+        layer_kinds=_layer_kinds(entry.get("layers")),
+        tiny_of=entry.get("tiny_of"),
+        notes=entry.get("notes", ""),
+    )
+    _check_layer_counts(preset)
+    return preset
+
+
+def _load() -> dict[str, Preset]:
+    """Every preset of ``presets.json``, by name, in file order."""
+    data = json.loads(resources.files(__package__).joinpath("presets.json").read_text("utf-8"))
+    return {p.name: p for p in map(_preset, data["presets"])}
+
+
+PRESETS: dict[str, Preset] = _load()
 
 
 def preset_names() -> list[str]:
