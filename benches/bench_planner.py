@@ -453,8 +453,8 @@ def deploy(
     l_side, r_side = ("decode", "prefill") if local_is_d else ("prefill", "decode")
     local = hk.build_region_table(preset.rank_layout(l_tp, 0, l_n))
     targets = hk.handshake_target_ranks(0, l_tp, r_tp)
-    info = json.dumps(preset.engine_info(r_side, mode))
-    payloads = [hk.build_region_table(preset.rank_layout(r_tp, r, r_n)).agent_meta_json(info) for r in targets]
+    info = preset.engine_info(r_side, mode)
+    payloads = [hk.build_region_table(preset.rank_layout(r_tp, r, r_n)).handshake_payload(info) for r in targets]
     peer = PeerPlan(local, payloads, mode)
     peer_ref = PeerPlan(local, payloads, mode, coalesce=False)
     assert peer.coalesced and not peer_ref.coalesced
@@ -699,8 +699,7 @@ class E2E:
             self.agents[side] = agent
         self.d, self.p = self.agents["D"], self.agents["P"]
         self.d.add_remote_agent(self.p.get_agent_metadata())
-        info = json.dumps(preset.engine_info("prefill", "pull"))
-        payload = self.tables["P"].agent_meta_json(info)
+        payload = self.tables["P"].handshake_payload(preset.engine_info("prefill", "pull"))
         # Both modes, each transferring through handles prepped from its own plan's tables (chunk ids index the
         # coalesced tables' appended rows).
         self.peers: dict[str, Any] = {}

@@ -9,7 +9,6 @@ Run: ``PYTHONPATH=python python benches/peer_tables.py``
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -21,8 +20,7 @@ PRESET = get_preset("deepseek-v3")
 
 def rank(tp: int, r: int, engine: str) -> tuple[hybrid_kv.RegionTable, bytes]:
     table = hybrid_kv.build_region_table(PRESET.rank_layout(tp=tp, rank=r, num_blocks=100_000))
-    info = json.dumps(PRESET.engine_info(engine, "pull"))
-    return table, hybrid_kv.encode_meta(table.agent_meta_json(info))
+    return table, table.handshake_payload(PRESET.engine_info(engine, "pull"))
 
 
 def median_us(fn: object, calls: int = 50, samples: int = 7) -> float:

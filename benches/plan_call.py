@@ -7,7 +7,6 @@ Median of 2000 calls after 100 warm-up calls. Run: ``PYTHONPATH=python python be
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -18,9 +17,9 @@ from hybrid_kv.presets import get_preset
 def main() -> None:
     ds = get_preset("deepseek-v3")
 
-    def table_and_meta(tp: int, rank: int, engine: str) -> tuple[hybrid_kv.RegionTable, str]:
+    def table_and_meta(tp: int, rank: int, engine: str) -> tuple[hybrid_kv.RegionTable, bytes]:
         table = hybrid_kv.build_region_table(ds.rank_layout(tp=tp, rank=rank, num_blocks=4096))
-        return table, table.agent_meta_json(json.dumps(ds.engine_info(engine, "pull")))
+        return table, table.handshake_payload(ds.engine_info(engine, "pull"))
 
     decode, _ = table_and_meta(16, 0, "decode")
     remotes = [table_and_meta(8, r, "prefill")[1] for r in hybrid_kv.handshake_target_ranks(0, 16, 8)]

@@ -7,5 +7,6 @@
 
 pub mod core;
 
-#[cfg(feature = "python")]
+// Without `python`, only the binding's pure error mapping is built, for `cargo test`.
+#[cfg(any(test, feature = "python"))]
 mod py;

@@ -9,7 +9,6 @@ Engines here are TP 1 so that a peer engine is one process: the TP matrix itself
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "transport"))
 
 from _peers import Peer, pump  # noqa: E402  (tests/transport is not a package)
 
-from hybrid_kv import HandshakeError, PeerPlan, RegionTable, encode_meta, validate_handshake  # noqa: E402
+from hybrid_kv import HandshakeError, PeerPlan, RegionTable, validate_handshake  # noqa: E402
 from hybrid_kv.demo.content import Content, Request, Side, expect_decode, fill_prefill, random_bytes  # noqa: E402
 from hybrid_kv.demo.run import process_context  # noqa: E402
 from hybrid_kv.transport import Endpoint, Transfer  # noqa: E402
@@ -59,7 +58,7 @@ class KimiRank:
             tp_size=1,
             total_num_kv_heads=p.attention.num_kv_heads,
         )
-        self.payload: bytes = encode_meta(self.table.agent_meta_json(json.dumps(p.engine_info(role, mode))))
+        self.payload: bytes = self.table.handshake_payload(p.engine_info(role, mode))
 
     def snapshot(self) -> list[np.ndarray]:
         return [p.copy() for p in self.pools]

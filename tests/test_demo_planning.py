@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import hybrid_kv
@@ -17,7 +15,7 @@ KIMI = get_preset("tiny-kimi-linear")
 def rank(tp: int, r: int, blocks: int, engine: str, **info: object) -> tuple[hybrid_kv.RegionTable, bytes]:
     table = hybrid_kv.build_region_table(KIMI.rank_layout(tp=tp, rank=r, num_blocks=blocks))
     facts = {**KIMI.engine_info(engine, "pull"), **info}
-    return table, hybrid_kv.encode_meta(table.agent_meta_json(json.dumps(facts)))
+    return table, table.handshake_payload(facts)
 
 
 def test_compatible_peers_are_planned_from_the_validated_bytes() -> None:

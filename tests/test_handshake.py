@@ -43,12 +43,11 @@ def hybrid_json(tp: int, rank: int, logical: int, n: int, engine: str, **info: A
         "compat_hash": "c0ffee",
         **info,
     }
-    meta: dict[str, Any] = json.loads(table.agent_meta_json(json.dumps(engine_info)))
-    return meta
+    return decode_meta(table.handshake_payload(engine_info))
 
 
 def enc(meta: dict[str, Any]) -> bytes:
-    return encode_meta(json.dumps(meta))
+    return encode_meta(meta)
 
 
 def f6_pair() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -58,7 +57,7 @@ def f6_pair() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def test_round_trip_and_fingerprints_across_tp() -> None:
     local, remote = f6_pair()
-    assert json.loads(decode_meta(enc(local))) == local
+    assert decode_meta(enc(local)) == local
     assert remote["ssm_sizes"] == [24, 32]
     validate_handshake(enc(local), enc(remote))
     assert handshake_findings(enc(local), enc(remote)) == []
@@ -163,7 +162,7 @@ def test_mutated_payloads_never_crash(edits: list[tuple[int, int]]) -> None:
     for at, value in edits:
         data[at % len(data)] = value
     try:
-        json.loads(decode_meta(bytes(data)))
+        decode_meta(bytes(data))
     except HandshakeError:
         pass
 
@@ -184,5 +183,6 @@ def test_compat_hash_over_model_factors() -> None:
     h = compat_hash(json.dumps(factors))
     assert len(h) == 64 and h == compat_hash(json.dumps(factors))
     assert compat_hash(json.dumps({**factors, "dtype": "float16"})) != h
+    assert compat_hash(factors) == h  # a dict needs no JSON round trip
     with pytest.raises(HandshakeError, match="bad model factors"):
         compat_hash("{}")

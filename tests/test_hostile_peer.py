@@ -4,12 +4,19 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
-from hybrid_kv import HandshakeError, HybridKvError, PlanError, RegionTable, encode_meta, validate_handshake
+from hybrid_kv import (
+    HandshakeError,
+    HybridKvError,
+    PlanError,
+    RegionTable,
+    decode_meta,
+    encode_meta,
+    validate_handshake,
+)
 from hybrid_kv._core import PeerPlan, handshake_findings, handshake_target_ranks
 from hybrid_kv.fixtures import F2_PAGE, f2_geometry, f2_sharers
 from hybrid_kv.layout import build_region_table, layer, rank_layout
@@ -35,7 +42,7 @@ def meta(table: RegionTable, engine: str) -> dict[str, Any]:
         "transfer_mode": "pull",
         "compat_hash": "",
     }
-    return json.loads(table.agent_meta_json(json.dumps(info)))
+    return decode_meta(table.handshake_payload(info))
 
 
 @pytest.fixture
@@ -49,17 +56,17 @@ def honest() -> dict[str, Any]:
 
 
 def plan_from(local: RegionTable, remote: dict[str, Any]) -> PeerPlan:
-    """Plan from a peer's metadata exactly as it claims it, as JSON (never validated)."""
-    return PeerPlan(local, [json.dumps(remote)], "pull")
+    """Plan from a peer's metadata exactly as it claims it, as a dict (never validated)."""
+    return PeerPlan(local, [remote], "pull")
 
 
 def test_the_honest_peer_plans_from_its_payload_bytes(local: RegionTable, honest: dict[str, Any]) -> None:
-    payload = encode_meta(json.dumps(honest))
-    mine = encode_meta(json.dumps(meta(local, "decode")))
+    payload = encode_meta(honest)
+    mine = encode_meta(meta(local, "decode"))
     validate_handshake(mine, payload)
     peer = PeerPlan(local, [payload], "pull")
     assert peer.plan([[1], [2], [3]], [[1], [2], [3]]).transfers
-    with pytest.raises(TypeError, match="payload bytes or JSON str, got int"):
+    with pytest.raises(TypeError, match="payload bytes or a metadata dict, got int"):
         PeerPlan(local, [7], "pull")  # type: ignore[list-item]
 
 
@@ -71,12 +78,12 @@ def test_a_tp_size_of_u32_max_is_refused_by_name(local: RegionTable, honest: dic
         handshake_target_ranks(0, 1, 2**28)
     bad = dict(honest, tp_size=2**32 - 1)
     with pytest.raises(HandshakeError, match="tp_size: value 4294967295 .must be at most 1024"):
-        PeerPlan(local, [encode_meta(json.dumps(bad))], "pull")
+        PeerPlan(local, [encode_meta(bad)], "pull")
     with pytest.raises(PlanError, match="remote rank 0 metadata is malformed: .*tp_size"):
         plan_from(local, bad)
-    mine = encode_meta(json.dumps(meta(local, "decode")))
+    mine = encode_meta(meta(local, "decode"))
     with pytest.raises(HandshakeError, match="tp_size"):
-        handshake_findings(mine, encode_meta(json.dumps(bad)))
+        handshake_findings(mine, encode_meta(bad))
 
 
 @pytest.mark.parametrize(
@@ -119,9 +126,9 @@ def test_an_ssm_state_larger_than_its_page_is_refused_at_the_handshake(
     page = honest["regions"][0]["block_len"] * honest["ppl"]
     conv = honest["ssm_sizes"][0]
     bad = dict(honest, ssm_sizes=[conv, page])  # conv + temporal > page: a push would write past every page
-    mine = encode_meta(json.dumps(meta(local, "decode")))
+    mine = encode_meta(meta(local, "decode"))
     with pytest.raises(HandshakeError, match="must fit its logical page") as info:
-        validate_handshake(mine, encode_meta(json.dumps(bad)))
+        validate_handshake(mine, encode_meta(bad))
     assert "remote.ssm_state_size" in [f[0] for f in info.value.findings]
     with pytest.raises(PlanError):
         plan_from(local, bad)
@@ -134,11 +141,11 @@ def test_overlapping_region_bases_are_refused_with_every_finding(
     regions = [dict(r) for r in honest["regions"]]
     regions[1]["base"] = regions[0]["base"] + shift
     bad = dict(honest, regions=regions, compat_hash="other-model")
-    mine = encode_meta(json.dumps(meta(local, "decode")))
+    mine = encode_meta(meta(local, "decode"))
     with pytest.raises(HandshakeError, match="region_overlap: value regions.0. .0x90000, ") as info:
-        validate_handshake(mine, encode_meta(json.dumps(bad)))
+        validate_handshake(mine, encode_meta(bad))
     assert [f[0] for f in info.value.findings] == ["remote.region_overlap", "compat_hash"]
-    assert [f[0] for f in handshake_findings(mine, encode_meta(json.dumps(bad)))] == [
+    assert [f[0] for f in handshake_findings(mine, encode_meta(bad))] == [
         "remote.region_overlap",
         "compat_hash",
     ]

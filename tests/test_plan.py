@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -26,18 +25,17 @@ def f2_layout(bases: tuple[int, int], num_blocks: int = 4) -> dict[str, Any]:
     return rank_layout(layers, **f2_geometry(num_blocks))
 
 
-def meta_json(table: RegionTable, mode: str = "pull") -> str:
-    return table.agent_meta_json(
-        json.dumps(
-            {
-                "engine_id": "prefill",
-                "agent_metadata": [],
-                "kv_layout": "HND",
-                "attn_backend": "FLASHMLA",
-                "transfer_mode": mode,
-                "compat_hash": "",
-            }
-        )
+def payload_of(table: RegionTable, mode: str = "pull") -> bytes:
+    """The handshake payload of ``table``."""
+    return table.handshake_payload(
+        {
+            "engine_id": "prefill",
+            "agent_metadata": [],
+            "kv_layout": "HND",
+            "attn_backend": "FLASHMLA",
+            "transfer_mode": mode,
+            "compat_hash": "",
+        }
     )
 
 
@@ -47,7 +45,7 @@ T0, T1 = 0x1000, 0x10000
 def f2_peer(coalesce: bool) -> PeerPlan:
     local = build_region_table(f2_layout((T0, T1)))
     remote = build_region_table(f2_layout((0x90000, 0xA0000)))
-    return PeerPlan(local, [meta_json(remote)], "pull", coalesce=coalesce)
+    return PeerPlan(local, [payload_of(remote)], "pull", coalesce=coalesce)
 
 
 @pytest.fixture
@@ -165,11 +163,11 @@ def test_peer_plan_construction_errors() -> None:
     local = build_region_table(f2_layout((T0, T1)))
     remote = build_region_table(f2_layout((0x90000, 0xA0000)))
     with pytest.raises(PlanError, match='mode must be "pull" or "push"'):
-        PeerPlan(local, [meta_json(remote)], "sideways")
+        PeerPlan(local, [payload_of(remote)], "sideways")
     with pytest.raises(PlanError, match="transfer mode differs"):
-        PeerPlan(local, [meta_json(remote, "push")], "pull")
+        PeerPlan(local, [payload_of(remote, "push")], "pull")
     with pytest.raises(PlanError, match="bad remote metadata"):
-        PeerPlan(local, ["{}"], "pull")
+        PeerPlan(local, [{}], "pull")
     other = f2_layout((0x90000, 0xA0000))
     other["kernel_block_size"] = 5
     with pytest.raises(LayoutError):
@@ -184,7 +182,7 @@ def test_peer_plan_construction_errors() -> None:
 @pytest.mark.parametrize("coalesce", [False, True])
 def test_moves_stay_inside_the_request_blocks(ids: list[int], remote: list[int], coalesce: bool) -> None:
     local = build_region_table(f2_layout((T0, T1), 8))
-    remote_meta = meta_json(build_region_table(f2_layout((0x90000, 0xA0000), 8)))
+    remote_meta = payload_of(build_region_table(f2_layout((0x90000, 0xA0000), 8)))
     peer = PeerPlan(local, [remote_meta], "pull", coalesce=coalesce)
     local_ids = [ids[:2], [ids[2]], [ids[3]]]
     plan = peer.plan(local_ids, [remote[:2], [remote[2]], [remote[3]]])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +30,7 @@ def f2_table(bases: tuple[int, int]) -> Any:
 def peer() -> PeerPlan:
     info = {"engine_id": "prefill", "agent_metadata": [], "kv_layout": "HND", "attn_backend": "FLASHMLA"}
     info |= {"transfer_mode": "pull", "compat_hash": ""}
-    remote = f2_table((0x90000, 0xA0000)).agent_meta_json(json.dumps(info))
+    remote = f2_table((0x90000, 0xA0000)).handshake_payload(info)
     return PeerPlan(f2_table((0x1000, 0x10000)), [remote], "pull")
 
 

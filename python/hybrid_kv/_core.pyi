@@ -1,7 +1,7 @@
 """Type stubs for the native module ``hybrid_kv._core`` (checked by ``mypy.stubtest`` in CI)."""
 
-from collections.abc import Sequence
-from typing import final
+from collections.abc import Mapping, Sequence
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -15,7 +15,8 @@ class LayoutError(HybridKvError):
     """A rank's layout cannot be turned into a region table."""
 
 class PlanError(HybridKvError):
-    """A transfer cannot be planned for the given geometry or ids."""
+    """A transfer cannot be planned for the given geometry, ids or mode (a bad ``mode`` is a ``PlanError``
+    wherever it is given)."""
 
 class HandshakeError(HybridKvError):
     """A peer's metadata is malformed or incompatible."""
@@ -25,7 +26,7 @@ class HandshakeError(HybridKvError):
     ``Endpoint.connect`` after it) raised the error; empty for every other handshake error."""
 
 class TransferError(HybridKvError):
-    """A NIXL transfer failed, timed out or was refused."""
+    """A NIXL transfer failed, timed out or was refused (raised by the Python transport)."""
 
 @final
 class RegionTable:
@@ -78,23 +79,26 @@ class RegionTable:
     def local_rows(self, bsr: int = 1, *, coalesce: bool = False) -> npt.NDArray[np.uint64]:
         """Local descriptor table as strided rows ``(addr, len, device, stride, count)``, shape ``(rows, 5)``."""
 
-    def agent_meta_json(self, engine_info_json: str) -> str:
-        """Handshake metadata of this rank as JSON."""
+    def handshake_payload(self, engine_info: Mapping[str, Any]) -> bytes:
+        """This rank's handshake payload (metadata as wire bytes) with the engine facts ``engine_info``
+        (``engine_id``, ``agent_metadata``, ``kv_layout``, ``attn_backend``, ``transfer_mode``, ``compat_hash``,
+        optionally ``prefix_caching``); raises ``PlanError`` (bad ``transfer_mode``) / ``HandshakeError``."""
 
-# Handshake (rust/py/handshake.rs). Metadata is wire bytes (msgpack) or JSON; a finding is
-# ``(check, local, remote, detail)``.
+# Handshake (rust/py/handshake.rs). Metadata is wire bytes (msgpack); a dict only for inspection and tests. A
+# finding is ``(check, local, remote, detail)``.
 
-def encode_meta(meta_json: str) -> bytes:
-    """Encode metadata JSON (as ``RegionTable.agent_meta_json`` returns it) into wire bytes."""
+def encode_meta(meta: Mapping[str, Any]) -> bytes:
+    """Encode a metadata dict (as ``decode_meta`` returns it) into wire bytes, unchecked (tests build hostile
+    payloads with it); raises ``HandshakeError`` naming a missing or mistyped field."""
 
-def decode_meta(data: bytes) -> str:
-    """Decode a peer's untrusted wire bytes into metadata JSON; raises ``HandshakeError``."""
+def decode_meta(data: bytes) -> dict[str, Any]:
+    """Decode a peer's untrusted wire bytes into a metadata dict; raises ``HandshakeError``."""
 
 def meta_fingerprint(data: bytes) -> str:
     """Hex SHA-256 of the TP-invariant region geometry of wire bytes."""
 
-def compat_hash(factors_json: str) -> str:
-    """Hex SHA-256 over the model factors (E.2), given as JSON."""
+def compat_hash(factors: Mapping[str, Any] | str) -> str:
+    """Hex SHA-256 over the model factors (E.2), given as a dict or as JSON text."""
 
 def handshake_findings(
     local: bytes,
@@ -149,10 +153,21 @@ class PeerPlan:
     """TP mapping and descriptor tables of one local rank against one peer engine."""
 
     def __new__(
-        cls, local: RegionTable, remotes: Sequence[bytes | str], mode: str = "pull", *, coalesce: bool = True
+        cls,
+        local: RegionTable,
+        payloads: Sequence[bytes | Mapping[str, Any]],
+        mode: str = "pull",
+        *,
+        coalesce: bool = True,
+        own_payload: bytes | None = None,
+        expected_engine_id: str | None = None,
+        expected_tp_size: int | None = None,
+        expected_num_blocks: int | None = None,
     ) -> PeerPlan:
-        """``remotes``: every handshaked remote rank's payload bytes (decoded here as untrusted input; pass the
-        bytes ``validate_handshake`` accepted) or metadata JSON; raises ``HandshakeError`` / ``PlanError``.
+        """``payloads``: every remote rank's payload bytes, decoded here once as untrusted input (a metadata
+        dict as ``decode_meta`` returns it is accepted for tests and tools). With ``own_payload`` every peer is
+        first validated against it as ``validate_handshake`` does (``HandshakeError`` starting ``peer rank N:``,
+        with ``findings``). Raises ``HandshakeError`` / ``PlanError`` (also a bad ``mode``) / ``TypeError``.
 
         ``coalesce``: chunk rows for dense attention regions and one id per power-of-two run of consecutive
         blocks (nixl >= 1.5 strided tables); ``False`` gives the reference tables, one id per unit.

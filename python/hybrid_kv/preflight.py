@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._core import HybridKvError, LayoutError, encode_meta, handshake_findings
+from ._core import HybridKvError, LayoutError, handshake_findings
 from .layout import build_region_table
 from .presets import Preset, get_preset
 
@@ -144,8 +144,8 @@ def preflight(
         _check_kernel_blocks(side, n, geo.ppl, num_blocks is None)
         getattr(report, side).update(tp=tp, num_blocks=n, tensors=preset.num_tensors, **geo.to_dict())
         tables[side] = [build_region_table(preset.rank_layout(tp, r, n, kernel_block_size=kb[side])) for r in range(tp)]
-        info = json.dumps(preset.engine_info(side, mode))
-        payloads[side] = [encode_meta(t.agent_meta_json(info)) for t in tables[side]]
+        info = preset.engine_info(side, mode)
+        payloads[side] = [t.handshake_payload(info) for t in tables[side]]
     if report.reasons:
         report.compatible = False
         return report

@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 
-use super::errors::{no_panic, plan_error, PyCoreError};
+use super::errors::{no_panic, Error, Kind};
 use crate::core::scenario::ScenarioError;
 use crate::core::scenario_check::check_scenario_json;
 
@@ -18,11 +18,9 @@ use crate::core::scenario_check::check_scenario_json;
 #[pyfunction]
 pub fn check_scenario(py: Python<'_>, scenario_json: &str) -> PyResult<String> {
     let text = scenario_json.to_owned();
-    no_panic(plan_error, || {
-        let out = py.detach(move || -> Result<String, ScenarioError> {
-            let r = check_scenario_json(&text)?;
-            serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
-        });
-        out.map_err(|e| PyCoreError::from(e).into())
-    })
+    let out = no_panic(Kind::Plan, || {
+        let r = py.detach(move || -> Result<_, ScenarioError> { check_scenario_json(&text) })?;
+        serde_json::to_string(&r).map_err(|e| Error::internal(format!("the check report does not serialize: {e}")))
+    })?;
+    Ok(out)
 }

@@ -1,59 +1,72 @@
 //! The handshake for Python: metadata bytes in and out, digests, and validation raising `HandshakeError`.
 //!
-//! Metadata crosses the boundary as wire bytes (msgpack) or as JSON (`RegionTable.agent_meta_json`).
+//! Metadata crosses the boundary as wire bytes (msgpack), made by `RegionTable.handshake_payload` and decoded
+//! once by `PeerPlan`; as a dict only for inspection and tests (`decode_meta`, `encode_meta`), through
+//! pythonize, never as a JSON string.
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyString};
 
-use super::errors::{handshake_error, no_panic, HandshakeError, PyCoreError};
+use super::errors::{finding_tuple, no_panic, Error, Kind, PyFinding};
 use crate::core::handshake::{self as hs, Expected, Finding, ModelFactors};
 use crate::core::AgentMeta;
 
-/// A finding as a Python tuple `(check, local, remote, detail)`.
-type PyFinding = (String, String, String, String);
-
-fn tuple(f: &Finding) -> PyFinding {
-    (f.check.clone(), f.local.clone(), f.remote.clone(), f.detail.clone())
+/// Metadata as a Python dict with the JSON data model (lists for tuples, a list of ints for the opaque NIXL
+/// bytes), built through pythonize without a JSON string.
+pub fn meta_to_py<'py>(py: Python<'py>, meta: &AgentMeta) -> Result<Bound<'py, PyAny>, Error> {
+    let bad = |e: &dyn std::fmt::Display| Error::internal(format!("metadata does not convert: {e}"));
+    let value = serde_json::to_value(meta).map_err(|e| bad(&e))?;
+    pythonize::pythonize(py, &value).map_err(|e| bad(&e))
 }
 
-impl From<hs::HandshakeError> for PyCoreError {
-    fn from(e: hs::HandshakeError) -> Self {
-        let findings: Vec<PyFinding> = e.findings().iter().map(tuple).collect();
-        let err = HandshakeError::new_err(e.to_string());
-        Python::attach(|py| {
-            // Best effort: the message already carries every finding.
-            let _ = err.value(py).setattr("findings", findings);
-        });
-        PyCoreError(err)
-    }
+/// Metadata from a dict as [`meta_to_py`] makes it; the error names the missing or mistyped field.
+pub fn meta_from_py(obj: &Bound<'_, PyAny>) -> Result<AgentMeta, String> {
+    let value: serde_json::Value = pythonize::depythonize(obj).map_err(|e| e.to_string())?;
+    serde_json::from_value(value).map_err(|e| e.to_string())
 }
 
-fn from_json(meta_json: &str) -> PyResult<AgentMeta> {
-    serde_json::from_str(meta_json).map_err(|e| HandshakeError::new_err(format!("bad metadata JSON: {e}")))
+/// Decode a peer's wire bytes, untrusted: every failure (a panic too) is a `HandshakeError`.
+pub fn decode_payload(data: &[u8]) -> Result<AgentMeta, Error> {
+    no_panic(Kind::Handshake, || Ok(hs::decode(data)?))
 }
 
-/// Encode metadata given as JSON (as `RegionTable.agent_meta_json` returns it) into wire bytes.
+/// Check every remote's metadata against this rank's payload, in order; the first incompatible one is
+/// refused as `peer rank N: ...` with its findings.
+pub fn check_peers(own_payload: &[u8], remotes: &[AgentMeta], expected: &Expected) -> Result<(), Error> {
+    let own = decode_payload(own_payload).map_err(|e| e.context("own payload"))?;
+    no_panic(Kind::Handshake, || {
+        for remote in remotes {
+            let found = hs::findings(&own, remote, expected);
+            if !found.is_empty() {
+                let err = Error::from(hs::HandshakeError::Incompatible(found));
+                return Err(err.context(format_args!("peer rank {}", remote.tp_rank)));
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Encode metadata given as a dict (as `decode_meta` returns it) into wire bytes, unchecked: tests and tools
+/// use it to build the payloads a hostile peer could send.
 ///
 /// Raises:
-///     HandshakeError: the JSON is not metadata.
+///     HandshakeError: the dict is not metadata (a missing or mistyped field, named).
 #[pyfunction]
-pub fn encode_meta<'py>(py: Python<'py>, meta_json: &str) -> PyResult<Bound<'py, PyBytes>> {
-    let bytes = hs::encode(&from_json(meta_json)?).map_err(PyCoreError::from)?;
+pub fn encode_meta<'py>(py: Python<'py>, meta: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let meta = meta_from_py(meta).map_err(|e| Error::handshake(format!("bad metadata: {e}")))?;
+    let bytes = hs::encode(&meta).map_err(Error::from)?;
     Ok(PyBytes::new(py, &bytes))
 }
 
-/// Decode a peer's wire bytes into metadata JSON; the bytes are treated as untrusted.
+/// Decode a peer's wire bytes into a metadata dict, for inspection; the bytes are treated as untrusted.
 ///
 /// Raises:
 ///     HandshakeError: too large, malformed, another format version (both named), or inconsistent values.
 #[pyfunction]
-pub fn decode_meta(py: Python<'_>, data: &[u8]) -> PyResult<String> {
+pub fn decode_meta<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     let data = data.to_vec();
-    let meta = no_panic(handshake_error, || {
-        py.detach(move || hs::decode(&data))
-            .map_err(|e| PyCoreError::from(e).into())
-    })?;
-    serde_json::to_string(&meta).map_err(|e| HandshakeError::new_err(e.to_string()))
+    let meta = py.detach(move || decode_payload(&data))?;
+    Ok(meta_to_py(py, &meta)?)
 }
 
 /// Geometry fingerprint (hex SHA-256 of the TP-invariant region geometry) of wire bytes.
@@ -62,39 +75,28 @@ pub fn decode_meta(py: Python<'_>, data: &[u8]) -> PyResult<String> {
 ///     HandshakeError: the bytes do not decode.
 #[pyfunction]
 pub fn meta_fingerprint(data: &[u8]) -> PyResult<String> {
-    no_panic(handshake_error, || {
-        Ok(hs::fingerprint(&hs::decode(data).map_err(PyCoreError::from)?))
-    })
+    Ok(no_panic(Kind::Handshake, || {
+        Ok(hs::fingerprint(&decode_payload(data)?))
+    })?)
 }
 
-/// Model compatibility hash (hex SHA-256) of the model factors given as JSON.
+/// Model compatibility hash (hex SHA-256) of the model factors, given as a dict or as JSON text.
 ///
 /// Raises:
-///     HandshakeError: the JSON is not a factors object.
+///     HandshakeError: not a factors object (a missing or mistyped field, named).
 #[pyfunction]
-pub fn compat_hash(factors_json: &str) -> PyResult<String> {
-    let factors: ModelFactors =
-        serde_json::from_str(factors_json).map_err(|e| HandshakeError::new_err(format!("bad model factors: {e}")))?;
+pub fn compat_hash(factors: &Bound<'_, PyAny>) -> PyResult<String> {
+    let parsed: Result<ModelFactors, String> = match factors.cast::<PyString>() {
+        Ok(text) => serde_json::from_str(text.to_str()?).map_err(|e| e.to_string()),
+        Err(_) => pythonize::depythonize(factors).map_err(|e| e.to_string()),
+    };
+    let factors = parsed.map_err(|e| Error::handshake(format!("bad model factors: {e}")))?;
     Ok(hs::compat_hash(&factors))
 }
 
-fn findings_of(
-    local: &[u8],
-    remote: &[u8],
-    expected_engine_id: Option<String>,
-    expected_tp_size: Option<u32>,
-    expected_num_blocks: Option<u64>,
-) -> PyResult<Vec<Finding>> {
-    no_panic(handshake_error, || {
-        let local = hs::decode(local).map_err(PyCoreError::from)?;
-        let remote = hs::decode(remote).map_err(PyCoreError::from)?;
-        let expected = Expected {
-            engine_id: expected_engine_id,
-            tp_size: expected_tp_size,
-            num_blocks: expected_num_blocks,
-        };
-        Ok(hs::findings(&local, &remote, &expected))
-    })
+fn findings_of(local: &[u8], remote: &[u8], expected: Expected) -> Result<Vec<Finding>, Error> {
+    let (local, remote) = (decode_payload(local)?, decode_payload(remote)?);
+    no_panic(Kind::Handshake, || Ok(hs::findings(&local, &remote, &expected)))
 }
 
 /// Every failed handshake check between two metadata payloads, as `(check, local, remote, detail)` tuples
@@ -111,11 +113,20 @@ pub fn handshake_findings(
     expected_tp_size: Option<u32>,
     expected_num_blocks: Option<u64>,
 ) -> PyResult<Vec<PyFinding>> {
-    let f = findings_of(local, remote, expected_engine_id, expected_tp_size, expected_num_blocks)?;
-    Ok(f.iter().map(tuple).collect())
+    let expected = Expected {
+        engine_id: expected_engine_id,
+        tp_size: expected_tp_size,
+        num_blocks: expected_num_blocks,
+    };
+    Ok(findings_of(local, remote, expected)?
+        .iter()
+        .map(finding_tuple)
+        .collect())
 }
 
 /// Validate a peer's payload against this rank's; returns `None` when compatible.
+///
+/// `PeerPlan(..., own_payload=...)` runs the same checks on the payloads it plans from, decoding each once.
 ///
 /// Raises:
 ///     HandshakeError: a payload does not decode, or the peer is incompatible. The message has one line
@@ -130,10 +141,15 @@ pub fn validate_handshake(
     expected_tp_size: Option<u32>,
     expected_num_blocks: Option<u64>,
 ) -> PyResult<()> {
-    let f = findings_of(local, remote, expected_engine_id, expected_tp_size, expected_num_blocks)?;
-    if f.is_empty() {
+    let expected = Expected {
+        engine_id: expected_engine_id,
+        tp_size: expected_tp_size,
+        num_blocks: expected_num_blocks,
+    };
+    let found = findings_of(local, remote, expected)?;
+    if found.is_empty() {
         Ok(())
     } else {
-        Err(PyCoreError::from(hs::HandshakeError::Incompatible(f)).into())
+        Err(Error::from(hs::HandshakeError::Incompatible(found)).into())
     }
 }

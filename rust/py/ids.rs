@@ -11,11 +11,11 @@
 //! bounded number of items (a `range` or a numpy broadcast view claims billions without holding them), so
 //! reading never allocates more than the bound. Every error names the side, the group and the value.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use super::errors::PlanError;
+use super::errors::Error;
 use crate::core::scenario_bounds::MAX_GROUPS;
 
 /// Most block ids one group of one request may list (16M blocks: far more than any pool's contexts need).
@@ -65,10 +65,7 @@ pub fn block_ids(ids: &Bound<'_, PyAny>, side: &str) -> PyResult<Vec<Vec<u64>>> 
 /// `PlanError` when a sequence of `len` items is longer than `limit`.
 fn bounded(len: usize, limit: usize, what: impl FnOnce() -> String, items: &str) -> PyResult<()> {
     if len > limit {
-        return Err(PlanError::new_err(format!(
-            "{} lists {len} {items}, over the limit of {limit}",
-            what()
-        )));
+        return Err(Error::plan(format!("{} lists {len} {items}, over the limit of {limit}", what())).into());
     }
     Ok(())
 }
@@ -94,7 +91,7 @@ fn items<'py>(
         } else {
             "must be a sequence of block ids"
         };
-        return Err(PyTypeError::new_err(format!("{} {must}, got {}", what(), typed(seq))));
+        return Err(Error::type_error(format!("{} {must}, got {}", what(), typed(seq))).into());
     };
     bounded(len, limit, &what, items)?;
     let out: Vec<Bound<'py, PyAny>> = seq.try_iter()?.take(limit + 1).collect::<PyResult<_>>()?;
@@ -105,11 +102,11 @@ fn items<'py>(
 /// One id from the generic path: an integer (not a bool) in `[0, 2**63)`.
 fn block_id(item: &Bound<'_, PyAny>, side: &str, g: usize) -> PyResult<u64> {
     let not_integer = || {
-        PyTypeError::new_err(format!(
+        PyErr::from(Error::type_error(format!(
             "{side} block id {} ({}) of group {g} is not an integer",
             shown(item),
             type_name(item)
-        ))
+        )))
     };
     if item.is_instance_of::<PyBool>() {
         return Err(not_integer());
@@ -123,9 +120,10 @@ fn block_id(item: &Bound<'_, PyAny>, side: &str, g: usize) -> PyResult<u64> {
 
 /// `PlanError` for an id outside `[0, 2**63)`.
 fn out_of_range(side: &str, g: usize, id: &str) -> PyErr {
-    PlanError::new_err(format!(
+    Error::plan(format!(
         "{side} block id {id} of group {g} is out of range: block ids are below 2**63 and non-negative"
     ))
+    .into()
 }
 
 /// The value as an error message shows it: `str()` (`repr()` for strings), cut to [`SHOWN_CHARS`]; a long

@@ -1,21 +1,34 @@
 //! The thin PyO3 layer: argument conversion, GIL release, numpy output and exception mapping. No logic.
+//!
+//! Only [`errors`]' pure half (which exception class each core error is raised as) is built without the
+//! `python` feature, so that a plain `cargo test` checks the mapping.
 
-mod arrays;
-mod check;
 mod errors;
+
+#[cfg(feature = "python")]
+mod arrays;
+#[cfg(feature = "python")]
+mod check;
+#[cfg(feature = "python")]
 mod handshake;
+#[cfg(feature = "python")]
 mod ids;
+#[cfg(feature = "python")]
 mod plan;
+#[cfg(feature = "python")]
 mod region;
 
+#[cfg(feature = "python")]
 use pyo3::prelude::*;
 
 /// Per-request id arrays are ~1 MB at 128K tokens; mimalloc keeps freed pages for reuse instead of handing
 /// them back to the OS (glibc trims the heap top), so each request does not page-fault its output in again.
+#[cfg(feature = "python")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// The native module `hybrid_kv._core`.
+#[cfg(feature = "python")]
 #[pymodule(gil_used = false)]
 mod _core {
     use super::*;

@@ -7,68 +7,45 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::{flat_descs, u64_matrix};
-use pyo3::exceptions::PyTypeError;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyDict};
 
-use super::errors::{handshake_error, no_panic, plan_error, LayoutError, PlanError, PyCoreError};
+use super::errors::{no_panic, Error, Kind};
+use super::handshake::{check_peers, decode_payload, meta_from_py};
 use super::ids::block_ids;
 use super::region::PyRegionTable;
-use crate::core::handshake as hs;
+use crate::core::handshake::Expected;
 use crate::core::plan::{PeerPlan, TableKey};
-use crate::core::plan_error::PlanError as CorePlanError;
 use crate::core::scenario::{Deployment, Scenario, ScenarioError};
 use crate::core::scenario_report::report;
 use crate::core::tp::MAX_TP_SIZE;
 use crate::core::{AgentMeta, TransferMode};
 
-impl From<CorePlanError> for PyCoreError {
-    fn from(e: CorePlanError) -> Self {
-        match e {
-            CorePlanError::Layout(l) => PyCoreError::from(l),
-            other => PyCoreError(PlanError::new_err(other.to_string())),
-        }
-    }
-}
-
-impl From<ScenarioError> for PyCoreError {
-    fn from(e: ScenarioError) -> Self {
-        match e {
-            ScenarioError::Layout { .. } => PyCoreError(LayoutError::new_err(e.to_string())),
-            other => PyCoreError(PlanError::new_err(other.to_string())),
-        }
-    }
-}
-
-fn parse_mode(mode: &str) -> PyResult<TransferMode> {
+fn parse_mode(mode: &str) -> Result<TransferMode, Error> {
     match mode {
         "pull" => Ok(TransferMode::Pull),
         "push" => Ok(TransferMode::Push),
-        _ => Err(PlanError::new_err(format!(
-            "mode must be \"pull\" or \"push\", got {mode:?}"
-        ))),
+        _ => Err(Error::bad_mode(mode)),
     }
 }
 
-/// One remote's metadata: wire bytes through the untrusted decoder, or JSON (checked by `PeerPlan` itself).
+/// One remote's metadata: wire bytes through the untrusted decoder, or (tests and tools) a metadata dict as
+/// `decode_meta` returns it, checked by `PeerPlan` itself.
 fn remote_meta(item: &Bound<'_, PyAny>) -> PyResult<AgentMeta> {
     if let Ok(bytes) = item.cast::<PyBytes>() {
-        let data = bytes.as_bytes();
-        return no_panic(handshake_error, || {
-            hs::decode(data).map_err(|e| PyCoreError::from(e).into())
-        });
+        return Ok(decode_payload(bytes.as_bytes())?);
     }
-    if let Ok(text) = item.cast::<PyString>() {
-        return serde_json::from_str::<AgentMeta>(text.to_str()?)
-            .map_err(|e| PlanError::new_err(format!("bad remote metadata JSON: {e}")));
+    if item.cast::<PyDict>().is_ok() {
+        return meta_from_py(item).map_err(|e| Error::plan(format!("bad remote metadata: {e}")).into());
     }
-    Err(PyTypeError::new_err(format!(
-        "remote metadata must be payload bytes or JSON str, got {}",
-        item.get_type().name()?
-    )))
+    let got = item.get_type().name()?;
+    Err(Error::type_error(format!(
+        "remote metadata must be payload bytes or a metadata dict, got {got}"
+    ))
+    .into())
 }
 
 fn parse_key(key: &str) -> PyResult<TableKey> {
-    key.parse::<TableKey>().map_err(|e| PyCoreError::from(e).into())
+    Ok(key.parse::<TableKey>().map_err(Error::from)?)
 }
 
 /// Requests with fewer block ids than this are planned without releasing the GIL: their planning takes about
@@ -87,39 +64,64 @@ impl PyPeerPlan {
     ///
     /// Args:
     ///     local (RegionTable): this rank's region table.
-    ///     remotes (Sequence[bytes | str]): the handshake payload of every remote rank this rank talks to: the
-    ///         wire bytes a peer served (decoded here, once, as untrusted input: pass exactly the bytes that
-    ///         `validate_handshake` accepted), or metadata JSON as `decode_meta` returns it. Either way the
-    ///         decoder's consistency checks run before any value is used.
+    ///     payloads (Sequence[bytes]): the handshake payload of every remote rank this rank talks to, the wire
+    ///         bytes each peer served, decoded here once as untrusted input (a metadata dict as `decode_meta`
+    ///         returns it is accepted too, for tests and tools; the planner's own checks still run).
     ///     mode (str): "pull" (local is decode) or "push" (local is prefill).
     ///     coalesce (bool): append chunk rows to the tables of attention regions that are dense on both sides
     ///         and plan runs of consecutive blocks as one descriptor per power-of-two chunk (needs nixl >= 1.5
     ///         strided tables to stay small). False gives the reference tables and one id per unit.
+    ///     own_payload (bytes | None): this rank's payload; when given, every peer is validated against it
+    ///         (the checks of `validate_handshake`, on the metadata decoded for planning) before planning.
+    ///     expected_engine_id, expected_tp_size, expected_num_blocks: as `validate_handshake` (need
+    ///         `own_payload`).
     /// Raises:
-    ///     HandshakeError: a payload does not decode (too large, malformed, another version, inconsistent).
-    ///     PlanError: the two sides cannot be planned together (the message names both values), a remote's
-    ///         counts are over their limits, or its tables would address bytes outside its advertised regions.
+    ///     HandshakeError: a payload does not decode (too large, malformed, another version, inconsistent), or
+    ///         a peer is incompatible with `own_payload` (the message starts with `peer rank N:`, `findings`
+    ///         lists every failed check).
+    ///     PlanError: a bad `mode`, the two sides cannot be planned together (the message names both values),
+    ///         a remote's counts are over their limits, or its tables would address bytes outside its
+    ///         advertised regions.
+    ///     TypeError: a payload that is neither bytes nor a dict.
     #[new]
-    #[pyo3(signature = (local, remotes, mode = "pull", *, coalesce = true))]
+    #[pyo3(signature = (local, payloads, mode = "pull", *, coalesce = true, own_payload = None,
+                        expected_engine_id = None, expected_tp_size = None, expected_num_blocks = None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: four optional keyword arguments
     fn new(
         py: Python<'_>,
         local: PyRef<'_, PyRegionTable>,
-        remotes: Vec<Bound<'_, PyAny>>,
+        payloads: Vec<Bound<'_, PyAny>>,
         mode: &str,
         coalesce: bool,
+        own_payload: Option<&[u8]>,
+        expected_engine_id: Option<String>,
+        expected_tp_size: Option<u32>,
+        expected_num_blocks: Option<u64>,
     ) -> PyResult<Self> {
         let mode = parse_mode(mode)?;
-        if remotes.len() > MAX_TP_SIZE as usize {
-            return Err(PlanError::new_err(format!(
+        if payloads.len() > MAX_TP_SIZE as usize {
+            return Err(Error::plan(format!(
                 "{} remote payloads given, over the limit of {MAX_TP_SIZE} (the largest TP size)",
-                remotes.len()
-            )));
+                payloads.len()
+            ))
+            .into());
         }
-        let metas = remotes.iter().map(remote_meta).collect::<PyResult<Vec<_>>>()?;
+        let metas = payloads.iter().map(remote_meta).collect::<PyResult<Vec<_>>>()?;
+        let expected = Expected {
+            engine_id: expected_engine_id,
+            tp_size: expected_tp_size,
+            num_blocks: expected_num_blocks,
+        };
+        match own_payload {
+            Some(own) => check_peers(own, &metas, &expected)?,
+            None if expected != Expected::default() => {
+                return Err(Error::plan("expected_* arguments need own_payload to validate against").into())
+            }
+            None => {}
+        }
         let table = Arc::clone(&local.inner);
-        let peer = no_panic(plan_error, || {
-            py.detach(move || PeerPlan::with_coalescing(&table, &metas, mode, coalesce))
-                .map_err(|e| PyCoreError::from(e).into())
+        let peer = no_panic(Kind::Plan, || {
+            Ok(py.detach(move || PeerPlan::with_coalescing(&table, &metas, mode, coalesce))?)
         })?;
         Ok(PyPeerPlan { inner: Arc::new(peer) })
     }
@@ -178,7 +180,7 @@ impl PyPeerPlan {
         let t = self
             .inner
             .local_table(k)
-            .ok_or_else(|| PlanError::new_err(format!("no local table {key:?}")))?;
+            .ok_or_else(|| Error::plan(format!("no local table {key:?}")))?;
         flat_descs(py, t)
     }
 
@@ -191,7 +193,7 @@ impl PyPeerPlan {
         let t = self
             .inner
             .local_table(k)
-            .ok_or_else(|| PlanError::new_err(format!("no local table {key:?}")))?;
+            .ok_or_else(|| Error::plan(format!("no local table {key:?}")))?;
         u64_matrix(py, t.to_strided(), 5)
     }
 
@@ -203,7 +205,7 @@ impl PyPeerPlan {
         let t = self
             .inner
             .remote_table(rank)
-            .ok_or_else(|| PlanError::new_err(format!("no remote rank {rank}")))?;
+            .ok_or_else(|| Error::plan(format!("no remote rank {rank}")))?;
         flat_descs(py, t)
     }
 
@@ -215,7 +217,7 @@ impl PyPeerPlan {
         let t = self
             .inner
             .remote_table(rank)
-            .ok_or_else(|| PlanError::new_err(format!("no remote rank {rank}")))?;
+            .ok_or_else(|| Error::plan(format!("no remote rank {rank}")))?;
         u64_matrix(py, t.to_strided(), 5)
     }
 
@@ -231,14 +233,13 @@ impl PyPeerPlan {
     fn plan(&self, py: Python<'_>, local_ids: &Bound<'_, PyAny>, remote_ids: &Bound<'_, PyAny>) -> PyResult<PyPlan> {
         let (local_ids, remote_ids) = (block_ids(local_ids, "local")?, block_ids(remote_ids, "remote")?);
         let size: usize = local_ids.iter().chain(&remote_ids).map(Vec::len).sum();
-        let plan = no_panic(plan_error, || {
-            if size < DETACH_FROM_IDS {
+        let plan = no_panic(Kind::Plan, || {
+            Ok(if size < DETACH_FROM_IDS {
                 self.inner.plan(&local_ids, &remote_ids)
             } else {
                 let peer = Arc::clone(&self.inner);
                 py.detach(move || peer.plan(&local_ids, &remote_ids))
-            }
-            .map_err(|e| PyCoreError::from(e).into())
+            }?)
         })?;
         let mut transfers = Vec::with_capacity(plan.transfers.len());
         for t in plan.transfers {
@@ -356,7 +357,7 @@ impl PyPlan {
     ///     PlanError: `i` is out of range or an id does not resolve.
     fn moves<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyArray2<u64>>> {
         let t = self.transfers.get(i).ok_or_else(|| {
-            PlanError::new_err(format!(
+            Error::plan(format!(
                 "transfer {i} is out of range for a plan of {} transfers",
                 self.transfers.len()
             ))
@@ -366,7 +367,7 @@ impl PyPlan {
         let moves = self
             .peer
             .resolve(t.key, t.remote_table, l.as_slice()?, r.as_slice()?)
-            .map_err(PyCoreError::from)?;
+            .map_err(Error::from)?;
         u64_matrix(py, moves.concat(), 3)
     }
 
@@ -392,14 +393,14 @@ impl PyPlan {
 #[pyo3(signature = (scenario_json, *, moves = true, coalesce = true))]
 pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce: bool) -> PyResult<String> {
     let text = scenario_json.to_owned();
-    no_panic(plan_error, || {
-        let out = py.detach(move || -> Result<String, ScenarioError> {
+    let out = no_panic(Kind::Plan, || {
+        let r = py.detach(move || -> Result<_, ScenarioError> {
             let dep = Deployment::build_with(&Scenario::from_json(&text)?, coalesce)?;
-            let r = report(&dep, moves)?;
-            serde_json::to_string(&r).map_err(|e| ScenarioError::Invalid(e.to_string()))
-        });
-        out.map_err(|e| PyCoreError::from(e).into())
-    })
+            report(&dep, moves)
+        })?;
+        serde_json::to_string(&r).map_err(|e| Error::internal(format!("the plan report does not serialize: {e}")))
+    })?;
+    Ok(out)
 }
 
 /// The remote ranks a local rank handshakes and exchanges data with: the one remote rank
@@ -415,13 +416,12 @@ pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce:
 #[pyfunction]
 pub fn handshake_target_ranks(tp_rank: i64, tp_size: i64, remote_tp: i64) -> PyResult<Vec<u32>> {
     let arg = |name: &str, v: i64| {
-        u32::try_from(v)
-            .map_err(|_| PlanError::new_err(format!("{name} must be a non-negative 32-bit integer, got {v}")))
+        u32::try_from(v).map_err(|_| Error::plan(format!("{name} must be a non-negative 32-bit integer, got {v}")))
     };
     let (rank, tp, remote) = (
         arg("tp_rank", tp_rank)?,
         arg("tp_size", tp_size)?,
         arg("remote_tp", remote_tp)?,
     );
-    crate::core::tp::handshake_target_ranks(rank, tp, remote).map_err(|e| PyCoreError::from(e).into())
+    Ok(crate::core::tp::handshake_target_ranks(rank, tp, remote).map_err(Error::from)?)
 }

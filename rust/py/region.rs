@@ -4,9 +4,11 @@ use std::sync::Arc;
 
 use numpy::PyArray2;
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
 
 use super::arrays::{flat_descs, u64_matrix};
-use super::errors::{LayoutError, PyCoreError};
+use super::errors::Error;
+use crate::core::handshake as hs;
 use crate::core::{AgentMeta, DescTable, EngineInfo, RankLayout, RegionTable};
 
 /// The region table of one rank: one region per distinct base address, MLA flags OR-merged.
@@ -23,7 +25,7 @@ impl PyRegionTable {
         } else {
             self.inner.local_table(bsr)
         };
-        Ok(t.map_err(PyCoreError::from)?)
+        Ok(t.map_err(Error::from)?)
     }
 }
 
@@ -36,14 +38,18 @@ impl PyRegionTable {
     #[staticmethod]
     fn from_json(py: Python<'_>, layout_json: &str) -> PyResult<Self> {
         let layout: RankLayout =
-            serde_json::from_str(layout_json).map_err(|e| LayoutError::new_err(format!("bad layout: {e}")))?;
-        let table = py.detach(|| RegionTable::build(&layout)).map_err(PyCoreError::from)?;
+            serde_json::from_str(layout_json).map_err(|e| Error::layout(format!("bad layout: {e}")))?;
+        let table = py.detach(|| RegionTable::build(&layout)).map_err(Error::from)?;
         Ok(PyRegionTable { inner: Arc::new(table) })
     }
 
     /// The whole table (regions, SSM region order, groups, geometry, conv split) as JSON.
-    fn to_json(&self) -> String {
-        serde_json::to_string(&*self.inner).unwrap_or_default()
+    ///
+    /// Raises:
+    ///     HybridKvError: the table does not serialize (a bug).
+    fn to_json(&self) -> PyResult<String> {
+        serde_json::to_string(&*self.inner)
+            .map_err(|e| Error::internal(format!("region table does not serialize: {e}")).into())
     }
 
     /// Number of regions.
@@ -126,11 +132,31 @@ impl PyRegionTable {
         u64_matrix(py, rows, 5)
     }
 
-    /// Handshake metadata of this rank as JSON (engine facts come from `engine_info_json`).
-    fn agent_meta_json(&self, engine_info_json: &str) -> PyResult<String> {
-        let info: EngineInfo = serde_json::from_str(engine_info_json)
-            .map_err(|e| LayoutError::new_err(format!("bad engine info: {e}")))?;
-        Ok(serde_json::to_string(&AgentMeta::from_table(&self.inner, &info)).unwrap_or_default())
+    /// This rank's handshake payload: its metadata as wire bytes, what peers fetch and `PeerPlan` decodes.
+    ///
+    /// Args:
+    ///     engine_info (dict): the engine facts that are not in the table: `engine_id`, `agent_metadata`
+    ///         (a list of ints; NIXL's own metadata travels beside the payload), `kv_layout`, `attn_backend`, `transfer_mode` ("pull" or "push"),
+    ///         `compat_hash` and optionally `prefix_caching`.
+    /// Raises:
+    ///     PlanError: `transfer_mode` is not "pull" or "push".
+    ///     HandshakeError: another field is missing or mistyped (named).
+    fn handshake_payload<'py>(
+        &self,
+        py: Python<'py>,
+        engine_info: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if let Some(mode) = engine_info.get_item("transfer_mode")? {
+            if let Ok(mode) = mode.extract::<String>() {
+                if mode != "pull" && mode != "push" {
+                    return Err(Error::bad_mode(&mode).into());
+                }
+            }
+        }
+        let info: EngineInfo =
+            pythonize::depythonize(engine_info).map_err(|e| Error::handshake(format!("bad engine info: {e}")))?;
+        let bytes = hs::encode(&AgentMeta::from_table(&self.inner, &info)).map_err(Error::from)?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     fn __repr__(&self) -> String {

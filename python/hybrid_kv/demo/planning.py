@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .._core import HandshakeError, PeerPlan, RegionTable, validate_handshake
+from .._core import PeerPlan, RegionTable
 from ..transport import Transfer
 
 U64 = npt.NDArray[np.uint64]
@@ -19,32 +19,35 @@ U64 = npt.NDArray[np.uint64]
 def validated_planner(
     table: RegionTable, own_payload: bytes, payloads: dict[int, bytes], mode: str, *, coalesce: bool = True
 ) -> RankPlanner:
-    """Validate every peer rank's payload against ours, then plan from exactly those bytes.
+    """Validate every peer rank's payload against ours, then plan from exactly those bytes (each decoded once,
+    in Rust, by ``PeerPlan(..., own_payload=...)``).
 
-    Nothing is planned from a payload the handshake has not accepted; connect with ``expected_payload`` so
-    the connection is bound to the same bytes.
+    Nothing is planned from a payload the handshake has not accepted; connect with the replies these payloads
+    came in (``Endpoint.connect(..., reply=...)``) so the connection is bound to the same bytes.
 
     Raises:
         HandshakeError: a peer's payload is incompatible or malformed; the message starts with its rank and
             ``findings`` lists every failed check.
     """
-    for rank in sorted(payloads):
-        try:
-            validate_handshake(own_payload, payloads[rank])
-        except HandshakeError as exc:
-            err = HandshakeError(f"peer rank {rank}: {exc}")
-            err.findings = exc.findings
-            raise err from exc
-    return RankPlanner(table, payloads, mode, coalesce=coalesce)
+    return RankPlanner(table, payloads, mode, coalesce=coalesce, own_payload=own_payload)
 
 
 class RankPlanner:
     """One active rank's plan against the peer engine."""
 
-    def __init__(self, table: RegionTable, payloads: dict[int, bytes], mode: str, *, coalesce: bool = True) -> None:
-        """``payloads``: each peer rank's handshake payload, exactly the bytes ``validate_handshake`` accepted
-        (decoded once, in Rust, by ``PeerPlan``)."""
-        self.plan_ = PeerPlan(table, [payloads[r] for r in sorted(payloads)], mode, coalesce=coalesce)
+    def __init__(
+        self,
+        table: RegionTable,
+        payloads: dict[int, bytes],
+        mode: str,
+        *,
+        coalesce: bool = True,
+        own_payload: bytes | None = None,
+    ) -> None:
+        """``payloads``: each peer rank's handshake payload (decoded once, in Rust, by ``PeerPlan``), validated
+        against ``own_payload`` first when that is given."""
+        ordered = [payloads[r] for r in sorted(payloads)]
+        self.plan_ = PeerPlan(table, ordered, mode, coalesce=coalesce, own_payload=own_payload)
         self.local_tables: dict[str, U64] = {key: self.plan_.local_rows(key) for key in self.plan_.table_keys}
         self._index = {k: _RowIndex(v) for k, v in self.local_tables.items()}
 

@@ -14,7 +14,6 @@ on the rank's own queue. Any failure is reported as ``("error", role, rank, mess
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import time
@@ -122,7 +121,6 @@ class _Worker:
     def run(self) -> None:
         import torch
 
-        from .._core import encode_meta
         from ..torch_adapter import region_table_from_tensors
         from ..transport import Endpoint
 
@@ -144,8 +142,7 @@ class _Worker:
             tp_size=spec.tp,
             total_num_kv_heads=self.side.preset.attention.num_kv_heads,
         )
-        meta = self.table.agent_meta_json(json.dumps(self.side.preset.engine_info(spec.role, spec.mode)))
-        self.payload = encode_meta(meta)
+        self.payload = self.table.handshake_payload(self.side.preset.engine_info(spec.role, spec.mode))
         setup_s = time.perf_counter() - t0
         registration = self.table.registration()
         if not spec.active:
@@ -174,19 +171,20 @@ class _Worker:
 
         from .._core import handshake_target_ranks
         from ..transport import Endpoint, HandshakeError
-        from ..transport.side_channel import ChannelError, fetch_meta
+        from ..transport.side_channel import ChannelError, fetch_reply
         from .planning import validated_planner
 
         spec = self.spec
         targets = handshake_target_ranks(spec.rank, spec.tp, spec.remote_tp)
         ctx: Any = zmq.Context()
-        try:
-            payloads = {r: fetch_meta(ctx, addresses[r], r, spec.name, 10.0)[0] for r in targets}
+        try:  # each peer's reply is fetched once: validated, planned from and connected with
+            replies = {r: fetch_reply(ctx, addresses[r], r, spec.name, 10.0) for r in targets}
         except ChannelError as exc:
             raise HandshakeError(f"{spec.name}: fetching peer metadata failed: {exc}") from exc
         finally:
             ctx.destroy(linger=0)
         t0 = time.perf_counter()
+        payloads = {r: reply.payload for r, reply in replies.items()}
         self.planner = validated_planner(self.table, self.payload, payloads, spec.mode)
         plan_setup_s = time.perf_counter() - t0
         self.ep = Endpoint(spec.name, registration, self.planner.local_tables)
@@ -198,7 +196,7 @@ class _Worker:
                 lambda payload, r=r: self.planner.remote_tables(r),
                 rank=r,
                 timeout_s=10.0,
-                expected_payload=payloads[r],  # the bytes validated and planned from
+                reply=replies[r],  # the bytes validated and planned from, not fetched again
             )
         connect_s = time.perf_counter() - t0
         self.send("connected", targets, plan_setup_s, connect_s, self.planner.table_shapes())

@@ -35,7 +35,7 @@ from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peer, Peers
 from .requests import ControlMessage, Op, PeerKey, PollResult, RequestHandle, Transfer
-from .side_channel import ChannelError, SideChannelServer, send_control
+from .side_channel import ChannelError, MetaReply, SideChannelServer, send_control
 
 __all__ = ["MAX_QUEUED_CONTROLS", "Endpoint"]
 
@@ -206,6 +206,7 @@ class Endpoint:
         timeout_s: float = 5.0,
         expected_payload: bytes | None = None,
         expected_name: str | None = None,
+        reply: MetaReply | None = None,
     ) -> None:
         """Start connecting to ``peer`` in the background; requests posted to it wait for the result.
 
@@ -221,6 +222,9 @@ class Endpoint:
                 was built from in an earlier fetch), else it is refused.
             expected_name: if given, the peer must be the endpoint of that name (its authenticated
                 side-channel name, which is also its NIXL agent name), else it is refused.
+            reply: the peer's reply already fetched (``side_channel.fetch_reply``, authenticated): the
+                handshake runs from it instead of fetching again, so validate, tables and the loaded agent
+                all see exactly the bytes the caller planned from (one fetch per peer).
 
         The peer's side-channel name must equal the name of the NIXL agent its metadata loads, and an
         agent may be connected under one key only: a second key is refused (naming the first) unless the
@@ -233,7 +237,7 @@ class Endpoint:
         if old is not None:
             self._requests.fail_peer(old.key, f"peer {peer!r} is reconnecting")
             self._peers.drop(old)
-        self._peers.begin(peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name)
+        self._peers.begin(peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name, reply)
 
     def connect(
         self,
@@ -246,6 +250,7 @@ class Endpoint:
         timeout_s: float = 5.0,
         expected_payload: bytes | None = None,
         expected_name: str | None = None,
+        reply: MetaReply | None = None,
     ) -> bytes:
         """Connect to ``peer`` and wait (driving progress) until ready; returns the peer's payload.
 
@@ -268,6 +273,7 @@ class Endpoint:
             timeout_s=timeout_s,
             expected_payload=expected_payload,
             expected_name=expected_name,
+            reply=reply,
         )
         state = self._peers[peer]
         while state.state == "connecting":

@@ -137,8 +137,10 @@ class Peers:
         timeout_s: float,
         expected_payload: bytes | None = None,
         expected_name: str | None = None,
+        reply: MetaReply | None = None,
     ) -> Peer:
-        """Register a ``connecting`` peer under the free ``key`` and start its handshake thread."""
+        """Register a ``connecting`` peer under the free ``key`` and start its handshake thread, or, given the
+        ``reply`` already fetched from it, finish from that reply on the next ``finish_due()``."""
         deadline = time.monotonic() + timeout_s
         peer = Peer(
             key,
@@ -151,10 +153,13 @@ class Peers:
             bytes(expected_payload) if expected_payload is not None else None,
             expected_name,
         )
+        self._by_key[key] = peer
+        if reply is not None:
+            peer.result = MetaReply(*reply)
+            return peer
         peer.thread = threading.Thread(
             target=self._handshake, args=(peer, timeout_s), name=f"hkv-handshake-{key}", daemon=True
         )
-        self._by_key[key] = peer
         peer.thread.start()
         return peer
 

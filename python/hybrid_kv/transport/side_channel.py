@@ -51,6 +51,7 @@ __all__ = [
     "SideChannelServer",
     "fetch_meta",
     "fetch_named_meta",
+    "fetch_reply",
     "send_control",
 ]
 
@@ -308,8 +309,28 @@ def fetch_meta(
     Raises:
         ChannelError: as ``fetch_named_meta``, or no secret.
     """
-    reply = fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=_client_key(secret))
+    reply = fetch_reply(ctx, address, rank, sender, timeout_s, stop, secret=secret)
     return reply.payload, reply.nixl_md
+
+
+def fetch_reply(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    address: str,
+    rank: int,
+    sender: str,
+    timeout_s: float,
+    stop: threading.Event | None = None,
+    *,
+    secret: bytes | str | None = None,
+) -> MetaReply:
+    """Ask the server at ``address`` for rank ``rank``'s whole reply (name, payload, NIXL metadata), as
+    ``fetch_meta`` does; hand it to ``Endpoint.connect(..., reply=...)`` to connect from it without fetching
+    again, so the connection is bound to the very bytes planned from.
+
+    Raises:
+        ChannelError: as ``fetch_named_meta``, or no secret.
+    """
+    return fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=_client_key(secret))
 
 
 def send_control(

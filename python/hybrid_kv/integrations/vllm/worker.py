@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..._core import PeerPlan, RegionTable, compat_hash, encode_meta, handshake_target_ranks, validate_handshake
+from ..._core import PeerPlan, RegionTable, compat_hash, handshake_target_ranks, validate_handshake
 from ...transport import Endpoint, HandshakeError, Transfer, TransferError
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, rank_table
@@ -136,7 +136,7 @@ class WorkerHalf:
             "compat_hash": compat_hash(json.dumps(factors, sort_keys=True)),
             "prefix_caching": bool(self.vllm_config.cache_config.enable_prefix_caching),
         }
-        self.payload = encode_meta(self.table.agent_meta_json(json.dumps(info)))
+        self.payload = self.table.handshake_payload(info)
         if self.cfg.ucx_tls:
             os.environ["UCX_TLS"] = self.cfg.ucx_tls
         self.server = Endpoint(
