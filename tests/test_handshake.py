@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_kv import HandshakeError, HybridKvError
+from hybrid_kv import HandshakeError, HybridKvError, PeerPlan, PlanError, RegionTable
 from hybrid_kv._core import (
     compat_hash,
     decode_meta,
@@ -186,3 +186,44 @@ def test_compat_hash_over_model_factors() -> None:
     assert compat_hash(factors) == h  # a dict needs no JSON round trip
     with pytest.raises(HandshakeError, match="bad model factors"):
         compat_hash("{}")
+
+
+def kimi_rank(tp: int, rank: int, blocks: int, engine: str, **info: Any) -> tuple[RegionTable, bytes]:
+    from hybrid_kv.presets import get_preset
+
+    kimi = get_preset("tiny-kimi-linear")
+    table = build_region_table(kimi.rank_layout(tp=tp, rank=rank, num_blocks=blocks))
+    return table, table.handshake_payload({**kimi.engine_info(engine, "pull"), **info})
+
+
+def test_handshake_payload_is_the_wire_metadata_of_the_table() -> None:
+    table, payload = kimi_rank(2, 1, 64, "prefill")
+    meta = decode_meta(payload)
+    assert (meta["engine_id"], meta["tp_rank"], meta["tp_size"]) == ("prefill", 1, 2)
+    assert [r["base"] for r in meta["regions"]] == table.base_addrs
+    assert encode_meta(meta) == payload  # the dict is the whole payload: it encodes back byte for byte
+
+
+def test_handshake_payload_errors_name_the_field() -> None:
+    table, _ = kimi_rank(1, 0, 64, "decode")
+    info = {"engine_id": "d", "agent_metadata": [], "kv_layout": "HND", "attn_backend": "x", "compat_hash": ""}
+    with pytest.raises(PlanError, match='mode must be "pull" or "push", got "sideways"'):
+        table.handshake_payload({**info, "transfer_mode": "sideways"})
+    with pytest.raises(HandshakeError, match="bad engine info: .*transfer_mode"):
+        table.handshake_payload(info)
+    with pytest.raises(HandshakeError, match="bad metadata: missing field `engine_id`"):
+        encode_meta({"version": 1})
+
+
+def test_peer_plan_validates_the_payloads_it_plans_from() -> None:
+    decode, mine = kimi_rank(1, 0, 64, "decode")
+    payloads = [kimi_rank(2, r, 128, "prefill")[1] for r in (0, 1)]
+    peer = PeerPlan(decode, payloads, "pull", own_payload=mine, expected_engine_id="prefill", expected_tp_size=2)
+    assert peer.remote_ranks == [0, 1]
+    with pytest.raises(HandshakeError, match="(?s)^peer rank 0: .*engine_id") as info:
+        PeerPlan(decode, payloads, "pull", own_payload=mine, expected_engine_id="another")
+    assert [f[0] for f in info.value.findings] == ["engine_id"]
+    with pytest.raises(HandshakeError, match="^own payload: malformed handshake payload"):
+        PeerPlan(decode, payloads, "pull", own_payload=b"\x90")
+    with pytest.raises(PlanError, match="expected_\\* arguments need own_payload"):
+        PeerPlan(decode, payloads, "pull", expected_tp_size=2)

@@ -119,6 +119,43 @@ def _raise_runtime(payload: bytes) -> dict[str, np.ndarray]:
     raise RuntimeError("planner said no")
 
 
+def test_a_fetched_reply_is_connected_from_without_fetching_again() -> None:
+    """``connect(..., reply=...)``: validate, tables and the loaded agent all come from the one reply the caller
+    fetched (and planned from); the peer is not asked again, so a peer that would now serve something else
+    (here: refuse) does not change what is connected."""
+    from hybrid_kv.transport.side_channel import fetch_reply
+
+    src, dst = pattern(1), pattern(2)
+    served: list[int] = []
+
+    def provider(rank: int) -> bytes:
+        served.append(rank)
+        if len(served) > 1:
+            raise RuntimeError("asked twice")
+        return payload_for(src)
+
+    p = Endpoint("P", registration(src.ctypes.data), tables(src.ctypes.data), metadata_provider=provider)
+    d = Endpoint("D", registration(dst.ctypes.data), tables(dst.ctypes.data))
+    with p, d:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            reply = fetch_reply(ctx, p.address, 0, "D", 2.0)
+        finally:
+            ctx.destroy(linger=0)
+        assert reply.name == "P" and reply.payload == payload_for(src)
+        seen: list[bytes] = []
+        got = d.connect(0, p.address, tables_from_payload, validate=seen.append, timeout_s=2.0, reply=reply)
+        assert got == seen[0] == reply.payload and served == [0]
+        before = dst.copy()
+        d.post("r", [(0, "whole", "blocks3", ids(4, 6), ids(2, 3))], "READ", 2.0)
+        ev = pump(d, lambda e: e.done or e.failed, 3.0, others=[p])
+        assert ev.done == ["r"] and not ev.failed
+        assert np.array_equal(dst, expected_after(before, src, "whole", [4, 6], [2, 3]))
+        with pytest.raises(HandshakeError, match="asked twice"):  # a fresh connect does ask again
+            d.connect(1, p.address, tables_from_payload, timeout_s=2.0)
+    assert p.handle_counts() == ZERO and d.handle_counts() == ZERO
+
+
 def test_handshake_timeout_fails_waiting_requests(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
     _, d, _, _ = pair
     ctx = zmq.Context()
