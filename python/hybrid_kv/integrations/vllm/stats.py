@@ -1,9 +1,12 @@
 """Per-transfer statistics: vLLM's KV-connector stats hook (``KVConnectorStats``) and Prometheus metrics.
 
-A worker records one observation per request it moved (bytes, descriptors posted, post time, transfer time)
-and counts failures, handshake failures and expired leases; vLLM ships the ``data`` dict to its stats logger,
-which aggregates workers, logs ``reduce()`` and feeds ``HybridKvPromMetrics.observe``. Metric names follow
-vLLM's NIXL connector (``vllm:nixl_*`` there, ``vllm:hybrid_kv_*`` here).
+A worker records one observation per request it moved, from NIXL's telemetry of the request's transfers
+(``RequestHandle.stats``: bytes moved, descriptors NIXL posted after merging ids consecutive on both sides,
+time NIXL spent posting, the longest transfer's post-to-completion time) plus the descriptor ids the planner
+handed NIXL, and counts failed transfers, failed handshakes and expired leases; vLLM ships the ``data``
+dict to its stats logger, which aggregates workers, logs ``reduce()`` and feeds
+``HybridKvPromMetrics.observe``. Metric names follow vLLM's NIXL connector (``vllm:nixl_*`` there,
+``vllm:hybrid_kv_*`` here).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 __all__ = ["SERIES", "COUNTERS", "HybridKvPromMetrics", "HybridKvStats"]
 
-SERIES = ("xfer_time_s", "post_time_s", "bytes", "descriptors")
+SERIES = ("xfer_time_s", "post_time_s", "bytes", "descriptors", "ids")
 COUNTERS = ("num_failed_transfers", "num_failed_handshakes", "num_expired_leases")
 TIMERS = ("scheduler_s", "worker_s")  # Python time spent in the connector's hooks (for overhead reports)
 
@@ -38,16 +41,21 @@ class HybridKvStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = _empty()
 
-    def record_transfer(self, nbytes: int, descriptors: int, post_s: float, xfer_s: float) -> None:
+    def record_transfer(self, nbytes: int, descriptors: int, ids: int, post_s: float, xfer_s: float) -> None:
+        """One request moved: NIXL's telemetry (``nbytes``, ``descriptors`` posted, ``post_s``, ``xfer_s``) and
+        the descriptor ``ids`` it was handed."""
         self.data["bytes"].append(int(nbytes))
         self.data["descriptors"].append(int(descriptors))
+        self.data["ids"].append(int(ids))
         self.data["post_time_s"].append(float(post_s))
         self.data["xfer_time_s"].append(float(xfer_s))
 
     def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``key`` (one of ``COUNTERS``)."""
         self.data[key] += n
 
     def add_time(self, key: str, seconds: float) -> None:
+        """Add ``seconds`` of Python time to timer ``key`` (one of ``TIMERS``)."""
         self.data[key] += seconds
 
     def clone_and_reset(self) -> HybridKvStats:
@@ -82,6 +90,7 @@ class HybridKvStats(KVConnectorStats):
                     "avg_mb_per_transfer": round(total / n / 2**20, 3),
                     "throughput_mb_s": round(total / 2**20 / xfer, 3) if xfer > 0 else 0.0,
                     "avg_num_descriptors": round(sum(self.data["descriptors"]) / n, 1),
+                    "avg_num_ids": round(sum(self.data["ids"]) / n, 1),
                 }
             )
         return out
@@ -99,7 +108,7 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):
             "bytes": ("vllm:hybrid_kv_bytes_transferred", "Bytes moved per request.", [2**i for i in range(11, 35, 2)]),
             "descriptors": (
                 "vllm:hybrid_kv_num_descriptors",
-                "Descriptors posted per request.",
+                "Descriptors NIXL posted per request (after merging ids consecutive on both sides).",
                 [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000],
             ),
         }

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..._core import PeerPlan, RegionTable, compat_hash, handshake_target_ranks, validate_handshake
-from ...transport import Endpoint, HandshakeError, Transfer, TransferError
+from ...transport import Endpoint, HandshakeError, RequestHandle, Transfer, TransferError
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, rank_table
 from .metadata import BlockIds, HybridKvMetadata, RecvReq, decode_control, encode_control
@@ -68,9 +69,8 @@ class _Inflight:
     link: _Link | None
     transfers: list[Transfer]
     t_post: float
-    post_s: float
-    nbytes: int
-    descriptors: int
+    handle: RequestHandle | None  # the posted request (its ``stats`` are NIXL's telemetry); None when awaited
+    ids: int  # descriptor ids handed to NIXL (before its merge of ids consecutive on both sides)
     local_ids: BlockIds = field(default_factory=list)
     release: list[tuple[str, bytes]] = field(default_factory=list)  # (address, control) to send when it ends
 
@@ -116,6 +116,10 @@ class WorkerHalf:
         self.push_regs: dict[str, dict[str, Any]] = {}
         # decode side, push: partners still to answer, senders that write, by local request id
         self.push_wait: dict[str, dict[str, Any]] = {}
+        # handshakes run on one background thread (as vLLM's NixlConnector); requests wait for them here
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-handshake-{self.name}")
+        self._handshakes: dict[str, Future[_Link]] = {}
+        self._waiting: dict[str, list[tuple[float, RecvReq | str]]] = {}  # engine -> (deadline, request)
 
     # ------------------------------------------------------------------ registration
 
@@ -157,7 +161,7 @@ class WorkerHalf:
             self.geometry.kernel_block_size,
             self.server.address,
         )
-        self.stats.add_time("worker_s", time.perf_counter() - t0)
+        log.debug("hybrid-kv worker %s: registered in %.1f ms", self.name, (time.perf_counter() - t0) * 1e3)
 
     def _serve_payload(self, rank: int) -> bytes:
         if rank != self.tp_rank:
@@ -169,10 +173,13 @@ class WorkerHalf:
     def _address(self, host: str, port: int, rank: int) -> str:
         return f"tcp://{host}:{port + rank}"
 
-    def _link(self, engine_id: str, host: str, port: int, tp_size: int) -> _Link:
-        link = self.links.get(engine_id)
-        if link is not None:
-            return link
+    def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> _Link:
+        """Connect to peer engine ``engine_id`` (runs on the handshake thread; touches no shared state).
+
+        Fetches the peer ranks' metadata, validates it, builds the ``PeerPlan``, opens this worker's active
+        endpoint towards that engine and connects it to every target rank. Each network step has its own
+        deadline (``handshake_timeout_s``), so this always ends.
+        """
         import zmq
 
         from ...transport.side_channel import ChannelError, fetch_meta
@@ -186,17 +193,12 @@ class WorkerHalf:
                 r: fetch_meta(ctx, addresses[r], r, self.name, self.cfg.handshake_timeout_s)[0] for r in targets
             }
         except ChannelError as exc:
-            self.stats.count("num_failed_handshakes")
             raise HandshakeError(f"{self.name}: fetching {engine_id}'s metadata failed: {exc}") from exc
         finally:
             ctx.destroy(linger=0)
-        try:
-            for r in targets:
-                validate_handshake(self.payload, payloads[r], expected_engine_id=engine_id, expected_tp_size=tp_size)
-            plan = PeerPlan(self.table, [payloads[r] for r in targets], self.cfg.mode, coalesce=self.cfg.coalesce)
-        except Exception:
-            self.stats.count("num_failed_handshakes")
-            raise
+        for r in targets:
+            validate_handshake(self.payload, payloads[r], expected_engine_id=engine_id, expected_tp_size=tp_size)
+        plan = PeerPlan(self.table, [payloads[r] for r in targets], self.cfg.mode, coalesce=self.cfg.coalesce)
         rows = {k: plan.local_rows(k) for k in plan.table_keys}
         ep = Endpoint(
             f"{self.name}->{engine_id}",
@@ -216,20 +218,78 @@ class WorkerHalf:
                     timeout_s=self.cfg.handshake_timeout_s,
                     expected_payload=payloads[r],
                 )
-        except Exception:
-            self.stats.count("num_failed_handshakes")
+        except BaseException:
             ep.close()
             raise
-        link = _Link(
+        log.info("hybrid-kv %s: connected to %s ranks %s (tp ratio %d)", self.name, engine_id, targets, plan.tp_ratio)
+        return _Link(
             engine_id, tp_size, targets, addresses, plan, ep, {k: _row_index(v) for k, v in rows.items()}, rows
         )
-        self.links[engine_id] = link
-        log.info("hybrid-kv %s: connected to %s ranks %s (tp ratio %d)", self.name, engine_id, targets, plan.tp_ratio)
-        return link
+
+    def _link(self, engine_id: str, host: str, port: int, tp_size: int, job: RecvReq | str) -> _Link | None:
+        """The link to ``engine_id`` if its handshake is done; else start it (once) in the background, park
+        ``job`` (a decode request to load, or a prefill request to push) until it ends, and return ``None``."""
+        link = self.links.get(engine_id)
+        if link is not None:
+            return link
+        if engine_id not in self._handshakes:
+            log.info(
+                "hybrid-kv %s: handshake with %s (%s:%d, TP %d) started", self.name, engine_id, host, port, tp_size
+            )
+            self._handshakes[engine_id] = self._executor.submit(self._handshake, engine_id, host, port, tp_size)
+        waiting = self._waiting.setdefault(engine_id, [])
+        if all(j is not job for _, j in waiting):
+            waiting.append((time.monotonic() + self.cfg.transfer_timeout_s, job))
+        return None
+
+    def _poll_handshakes(self) -> None:
+        """Adopt finished handshakes and run the requests that waited for them; a failed handshake fails
+        exactly the requests waiting for it (the next request to that engine starts a new one). A request
+        that waited longer than ``transfer_timeout_s`` fails too, so none waits forever."""
+        for engine_id, fut in list(self._handshakes.items()):
+            if not fut.done():
+                continue
+            del self._handshakes[engine_id]
+            waiting = [j for _, j in self._waiting.pop(engine_id, [])]
+            try:
+                link = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a failed handshake fails its requests, never the step
+                self.stats.count("num_failed_handshakes")
+                log.error("hybrid-kv %s: handshake with %s failed: %s", self.name, engine_id, exc)
+                for job in waiting:
+                    self._job_failed(job, f"handshake with {engine_id} failed: {exc}")
+                continue
+            self.links[engine_id] = link
+            for job in waiting:
+                if isinstance(job, RecvReq):
+                    self._load(job)
+                # push jobs stay in ``push_regs``: ``_match_pushes`` finds the link now
+        now = time.monotonic()
+        for engine_id, parked in list(self._waiting.items()):
+            late = [j for deadline, j in parked if now >= deadline]
+            if late:
+                self._waiting[engine_id] = [(d, j) for d, j in parked if now < d]
+                for job in late:
+                    self._job_failed(job, f"handshake with {engine_id} not done within {self.cfg.transfer_timeout_s} s")
+
+    def _job_failed(self, job: RecvReq | str, reason: str) -> None:
+        if isinstance(job, RecvReq):
+            log.error("hybrid-kv %s: request %s cannot load: %s", self.name, job.request_id, reason)
+            self._recv_failed(job.request_id, job.local_block_ids, None)
+        else:
+            log.error("hybrid-kv %s: push of %s failed: %s", self.name, job, reason)
+            self.push_regs.pop(job, None)
+            self.stats.count("num_failed_transfers")
+            self._sent(job)
 
     # ------------------------------------------------------------------ per step
 
     def start_load_kv(self, meta: HybridKvMetadata) -> None:
+        """Lease this step's finished prefill requests, and load (pull) or register (push) its decode requests.
+
+        Never blocks on a peer: a request whose peer engine is not yet connected waits for the background
+        handshake and is posted on a later step (``get_finished`` or the next ``start_load_kv``).
+        """
         t0 = time.perf_counter()
         now = time.monotonic()
         for rid, (ids, lease_s) in meta.send.items():
@@ -237,23 +297,31 @@ class WorkerHalf:
         for rid in meta.aborted:
             self.released.pop(rid, None)
             self.push_regs.pop(rid, None)
+        self._poll_handshakes()
         for req in meta.recv.values():
-            try:
-                if self.cfg.mode == "pull":
-                    self._start_pull(req)
-                else:
+            if self.cfg.mode == "pull":
+                link = self._link(req.remote_engine_id, req.remote_host, req.remote_port, req.remote_tp_size, req)
+                if link is not None:
+                    self._load(req)
+            else:
+                try:
                     self._start_push_recv(req)
-            except (HandshakeError, TransferError, Exception) as exc:  # noqa: B014 - report, never crash a step
-                log.error("hybrid-kv %s: request %s cannot load: %s", self.name, req.request_id, exc)
-                self._recv_failed(req.request_id, req.local_block_ids, None)
+                except Exception as exc:  # noqa: BLE001 - report, never crash a step
+                    self._job_failed(req, str(exc))
         if self.cfg.mode == "push":
             self._match_pushes()
         self.stats.add_time("worker_s", time.perf_counter() - t0)
 
-    def _start_pull(self, req: RecvReq) -> None:
+    def _load(self, req: RecvReq) -> None:
+        """Plan and post a pull request whose link is ready; any error fails exactly this request."""
+        try:
+            self._start_pull(req, self.links[req.remote_engine_id])
+        except Exception as exc:  # noqa: BLE001 - report, never crash a step
+            self._job_failed(req, str(exc))
+
+    def _start_pull(self, req: RecvReq, link: _Link) -> None:
         consumers = max(1, self.tp_size // req.remote_tp_size)
         release = encode_control("release", req=req.remote_request_id, consumers=consumers)
-        link = self._link(req.remote_engine_id, req.remote_host, req.remote_port, req.remote_tp_size)
         releases = [(link.addresses[r], release) for r in link.targets]
         transfers: list[Transfer] = []
         if any(req.local_block_ids) and any(req.remote_block_ids):
@@ -271,15 +339,9 @@ class WorkerHalf:
     def _post(
         self, rid: str, role: str, link: _Link, transfers: list[Transfer], op: Any, timeout: float, ids: BlockIds
     ) -> None:
-        nbytes = descriptors = 0
-        for t in transfers:
-            ends, lens = link.index[t.local_key]
-            nbytes += int(lens[np.searchsorted(ends, t.local_ids.astype(np.int64), side="right")].sum())
-            descriptors += int(t.local_ids.size)
-        t0 = time.perf_counter()
-        link.ep.post(rid, transfers, op, timeout)
-        t1 = time.perf_counter()
-        self.inflight[rid] = _Inflight(rid, role, link, transfers, t1, t1 - t0, nbytes, descriptors, ids)
+        handle = link.ep.post(rid, transfers, op, timeout)
+        nids = sum(int(t.local_ids.size) for t in transfers)
+        self.inflight[rid] = _Inflight(rid, role, link, transfers, time.perf_counter(), handle, nids, ids)
 
     def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
         for address, payload in messages:
@@ -335,19 +397,23 @@ class WorkerHalf:
             return
         assert self.server is not None
         self.server.expect(rid, max(1.0, wait["deadline"] - time.monotonic()), senders=wait["writers"])
-        self.inflight[rid] = _Inflight(rid, "recv", None, [], time.perf_counter(), 0.0, 0, 0, wait["ids"])
+        self.inflight[rid] = _Inflight(rid, "recv", None, [], time.perf_counter(), None, 0, wait["ids"])
 
     def _match_pushes(self) -> None:
         """Prefill side of push: WRITE every request that finished here and has a decode registration."""
         for p_req in [r for r in self.push_regs if r in self.leased]:
-            reg = self.push_regs.pop(p_req)
+            reg = self.push_regs[p_req]
             _, local_ids = self.leased[p_req]
             d_req = str(reg["d_req"])
             try:
                 if not any(reg["ids"]):
+                    del self.push_regs[p_req]
                     self._sent(p_req)
                     continue
-                link = self._link(str(reg["engine"]), str(reg["host"]), int(reg["port"]), int(reg["tp"]))
+                link = self._link(str(reg["engine"]), str(reg["host"]), int(reg["port"]), int(reg["tp"]), p_req)
+                if link is None:
+                    continue  # handshake in the background; pushed on a later step
+                del self.push_regs[p_req]
                 plan = link.plan.plan(local_ids, reg["ids"])
                 transfers = [
                     Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers
@@ -366,9 +432,7 @@ class WorkerHalf:
                     ],
                 )
             except Exception as exc:  # noqa: BLE001 - a failed push frees the blocks and is counted
-                log.error("hybrid-kv %s: push of %s to %s failed: %s", self.name, p_req, d_req, exc)
-                self.stats.count("num_failed_transfers")
-                self._sent(p_req)
+                self._job_failed(p_req, f"to {d_req}: {exc}")
 
     # ------------------------------------------------------------------ completion
 
@@ -430,6 +494,7 @@ class WorkerHalf:
             self._on_push_plan(sender, msg)
 
     def _progress(self) -> None:
+        self._poll_handshakes()
         eps = ([self.server] if self.server is not None else []) + [lk.ep for lk in self.links.values()]
         for ep in eps:
             ev = ep.poll()
@@ -463,8 +528,10 @@ class WorkerHalf:
         job = self.inflight.pop(key, None)
         if job is None:
             return
-        if err is None:
-            self.stats.record_transfer(job.nbytes, job.descriptors, job.post_s, time.perf_counter() - job.t_post)
+        if job.handle is not None:  # NIXL's telemetry of what completed (all of it when err is None)
+            tel = job.handle.stats
+            if err is None:
+                self.stats.record_transfer(tel.bytes, tel.descriptors, job.ids, tel.post_s, tel.transfer_s)
         if job.role == "recv":
             if err is None:
                 self.finished_recving.add(job.request_id)
@@ -496,6 +563,12 @@ class WorkerHalf:
         return None if stats.is_empty() and not stats.data["worker_s"] else stats
 
     def shutdown(self) -> None:
+        """Close every endpoint; a handshake still running is awaited (it has deadlines) and its link closed."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for fut in self._handshakes.values():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().ep.close()
+        self._handshakes.clear()
         for link in self.links.values():
             link.ep.close()
         self.links.clear()

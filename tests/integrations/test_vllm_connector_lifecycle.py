@@ -1,0 +1,343 @@
+"""hybrid-kv's vLLM connector under a slow peer, a failed handshake and a prefill engine killed after the
+handshake, with vLLM 0.33's real Scheduler and real NIXL transfers between processes; the per-request
+metrics (NIXL telemetry) are checked against the bytes each request really owns, and fed through vLLM's
+Prometheus hook into a real prometheus_client registry.
+
+- the handshake runs on a background thread: while the prefill workers are stopped (SIGSTOP), the decode
+  steps stay short and its requests wait; once they resume, every byte lands;
+- a handshake that fails (no engine at the advertised address) fails exactly its request: vLLM's default
+  ``kv_load_failure_policy`` ("fail") finishes it with an error, and "recompute" reschedules it from token 0;
+  the other request of the same step lands byte-exact;
+- a prefill engine killed after its handshake: its request fails, the other prefill engine's request in the
+  same step lands byte-exact, and the failed request wrote nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm_harness import KB, Content, Engine, EngineSpec, Memory, build, prompt, run_until, write_model_dirs
+
+os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+CONTENT_TOKENS = 2048
+STEP_BOUND_S = 1.0  # a decode step (scheduler + every worker's hooks) while a handshake is stuck
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return write_model_dirs(tmp_path_factory.mktemp("models"))
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports(n: int) -> list[int]:
+    """``n`` side-channel base ports (rank r listens on base + r), free now and below the ephemeral range."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 32000, 100)
+        if all(_free(base + 20 * i + r) for i in range(n + 1) for r in range(4)):
+            return [base + 20 * i for i in range(n)]
+    raise RuntimeError("no free side-channel ports between 10000 and 32000")
+
+
+class Outputs:
+    """What vLLM's scheduler does, through spies: tokens scheduled per step, finish reasons."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.finish: dict[str, Any] = {}
+        self.scheduled: list[dict[str, int]] = []
+        orig = engine.scheduler.update_from_output
+        orig_schedule = engine.scheduler.schedule
+
+        def schedule() -> Any:
+            so = orig_schedule()
+            self.scheduled.append(dict(so.num_scheduled_tokens))
+            return so
+
+        def spy(so: Any, mro: Any) -> Any:
+            res = orig(so, mro)
+            for eco in res.values():
+                for out in eco.outputs:
+                    if out.finish_reason is not None:
+                        self.finish[out.request_id] = out.finish_reason
+            return res
+
+        engine.scheduler.update_from_output = spy
+        engine.scheduler.schedule = schedule
+
+
+def _prefill(p: Engine, names: list[str], lengths: list[int], first: int) -> dict[str, dict[str, Any]]:
+    """Run prefill requests ``names`` (content indices from ``first``) and return their kv_transfer_params."""
+    for k, (name, n) in enumerate(zip(names, lengths, strict=True)):
+        p.add(name, prompt(first + k, n), {"do_remote_decode": True}, first + k)
+        p.fills[name] = (first + k, CONTENT_TOKENS)
+    run_until([p], lambda: all(n in p.outputs for n in names))
+    return {n: dict(p.outputs[n]) for n in names}
+
+
+def _checks(p_spec: EngineSpec, d: Engine, rids: list[str], index: dict[str, int]) -> list[Any]:
+    """The harness's ``verify`` arguments for decode requests ``rids`` (what must have landed)."""
+    from hybrid_kv.integrations.vllm.layout import transfer_group_kinds
+
+    recv = {rid: r for meta in d.metas for rid, r in meta.recv.items()}
+    kinds = transfer_group_kinds(d.kv_cfg)
+    out = []
+    for rid in rids:
+        r = recv[rid]
+        moved = None
+        for g, kind in enumerate(kinds):
+            if kind != "ssm":
+                moved = min(
+                    len(r.remote_block_ids[g]) * p_spec.logical_block_size,
+                    len(r.local_block_ids[g]) * d.spec.logical_block_size,
+                )
+        out.append((r.local_block_ids, index[rid], CONTENT_TOKENS, moved))
+    return out
+
+
+def _verify(d: Engine, checks: list[Any]) -> None:
+    for problem, nbytes in d.workers.call("verify", checks):
+        assert problem is None, problem
+        assert nbytes > 0
+
+
+@functools.cache
+def _rank_memory(spec: EngineSpec, rank: int) -> Memory:
+    """Rank ``rank``'s KV memory of engine ``spec``, allocated in this process exactly as its worker did
+    (vLLM's planner and ``allocate_kv_cache``): the same views at the same offsets."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    vc, kv_cfg, specs = build(spec)
+    kernel = [
+        KB if isinstance(g.kv_cache_spec, MLAAttentionSpec) or spec.model == "gqa" else g.kv_cache_spec.block_size
+        for g in kv_cfg.kv_cache_groups
+    ]
+    with set_current_vllm_config(vc):
+        caches = allocate_kv_cache(kv_cfg, torch.device("cpu"), KVCacheLayout[vc.cache_config.kv_cache_layout], kernel)
+    return Memory(caches, kv_cfg, specs, spec.tp, rank)
+
+
+def kv_bytes(spec: EngineSpec, rank: int, check: Any) -> int:
+    """The bytes a request owns on one decode rank: every byte the harness's expected-memory writer sets for
+    it (written over a buffer of 0s and one of 1s: a byte is the request's iff both agree), independent of
+    the connector, the planner and NIXL."""
+    import torch
+
+    mem = _rank_memory(spec, rank)
+    ids, index, tokens, moved = check
+    bufs = []
+    for fill in (0, 1):
+        buf = torch.full_like(mem.flat, fill)
+        mem.write(buf, ids, Content(spec.seed, index, tokens), moved)
+        bufs.append(buf.numpy())
+    return int(np.count_nonzero(bufs[0] == bufs[1]))
+
+
+def _series(engine: Engine) -> dict[str, Any]:
+    """The engine's workers' stats (``HybridKvStats.data``), aggregated as vLLM's stats logger does."""
+    from hybrid_kv.integrations.vllm import HybridKvConnector
+
+    total = HybridKvConnector.build_kv_connector_stats()
+    for data in engine.stats:
+        total.aggregate(HybridKvConnector.build_kv_connector_stats(data=data))
+    return dict(total.data)
+
+
+def _prometheus(engine: Engine, data: dict[str, Any]) -> Any:
+    """``data`` observed through the connector's ``build_prom_metrics`` into a fresh registry."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from hybrid_kv.integrations.vllm import HybridKvConnector
+
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Gauge, Counter, Histogram)}
+    prom = HybridKvConnector.build_prom_metrics(engine.vc, types, ["engine"], {0: ["0"]})
+    prom.observe(data, 0)
+    return reg
+
+
+def _check_metrics(d: Engine, expected_bytes: list[int], failed: int) -> None:
+    """Per request moved: NIXL's bytes = the request's KV bytes on that rank, 0 < descriptors <= ids."""
+    data = _series(d)
+    assert sorted(data["bytes"]) == sorted(expected_bytes)
+    assert len(data["descriptors"]) == len(data["ids"]) == len(expected_bytes)
+    for desc, ids in zip(data["descriptors"], data["ids"], strict=True):
+        assert 0 < desc <= ids
+    assert all(t > 0 for t in data["xfer_time_s"]) and all(t >= 0 for t in data["post_time_s"])
+    assert data["num_failed_transfers"] == failed
+    reg = _prometheus(d, data)
+    labels = {"engine": "0"}
+    assert reg.get_sample_value("vllm:hybrid_kv_bytes_transferred_sum", labels) == sum(expected_bytes)
+    assert reg.get_sample_value("vllm:hybrid_kv_bytes_transferred_count", labels) == len(expected_bytes)
+    assert reg.get_sample_value("vllm:hybrid_kv_num_descriptors_sum", labels) == sum(data["descriptors"])
+    assert reg.get_sample_value("vllm:hybrid_kv_xfer_time_seconds_count", labels) == len(expected_bytes)
+    assert reg.get_sample_value("vllm:hybrid_kv_num_failed_transfers_total", labels) == failed
+
+
+def _signal(engine: Engine, sig: int) -> None:
+    for proc in engine.workers.procs:
+        assert proc.pid is not None
+        os.kill(proc.pid, sig)
+
+
+def test_slow_handshake_does_not_block_steps(model_dirs: dict[str, str]) -> None:
+    """Prefill TP 1 -> decode TP 2 (Kimi-Linear, pull): the prefill workers stop answering for 3 s while
+    the decode's first requests to them are scheduled; every decode step stays under ``STEP_BOUND_S``,
+    the requests wait (WAITING_FOR_REMOTE_KVS), then land byte-exact once the prefill resumes."""
+    from vllm.v1.request import RequestStatus
+
+    p_port, d_port = _ports(2)
+    p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "pull", p_port))
+    d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 2, "pull", d_port))
+    try:
+        params = _prefill(p, ["p-0", "p-1"], [300, 517], 0)
+        for i in range(2):
+            d.add(f"d-{i}", prompt(i, [300, 517][i]), params[f"p-{i}"], i)
+        _signal(p, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 3.0
+            steps = []
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                d.step()
+                steps.append(time.perf_counter() - t0)
+            for rid in ("d-0", "d-1"):
+                assert d.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            assert not d.outputs
+        finally:
+            _signal(p, signal.SIGCONT)
+        assert len(steps) >= 3 and max(steps) < STEP_BOUND_S, steps
+        run_until([p, d], lambda: all(f"d-{i}" in d.outputs for i in range(2)) and p.idle())
+        checks = _checks(p.spec, d, ["d-0", "d-1"], {"d-0": 0, "d-1": 1})
+        _verify(d, checks)
+        _check_metrics(d, [kv_bytes(d.spec, r, c) for c in checks for r in range(d.spec.tp)], failed=0)
+        assert _series(d)["num_failed_handshakes"] == 0
+        for problem, _ in p.workers.call("verify", []):
+            assert problem is None, f"prefill memory changed: {problem}"
+        assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == p.kv_cfg.num_blocks - 1
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_handshake_fails_exactly_its_request(model_dirs: dict[str, str], policy: str) -> None:
+    """Prefill TP 2 -> decode TP 1 (Kimi-Linear, pull). In one decode step, one request comes from the real
+    prefill engine and one names an engine nobody serves: the latter's handshake fails within its deadline
+    and vLLM's scheduler handles exactly that request per ``kv_load_failure_policy`` (the default, "fail":
+    finished with an error; "recompute": back to WAITING from token 0, then computed locally); the other
+    lands byte-exact and the prefill engine frees its blocks."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    p_port, d_port, ghost_port = _ports(3)
+    p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 2, "pull", p_port))
+    d_spec = EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "pull", d_port, extra=(("handshake_timeout_s", 1.5),))
+    d = Engine.start(d_spec)
+    if policy != "fail":
+        d.vc.kv_transfer_config.kv_load_failure_policy = policy
+        d.scheduler.recompute_kv_load_failures = True  # what Scheduler.__init__ derives from the policy
+    assert d.vc.kv_transfer_config.kv_load_failure_policy == policy
+    outputs = Outputs(d)
+    try:
+        params = _prefill(p, ["p-0", "p-1"], [300, 517], 0)
+        ghost = dict(params["p-1"], remote_engine_id="ghost", remote_port=ghost_port, remote_request_id="g-1")
+        d.add("d-0", prompt(0, 300), params["p-0"], 0)
+        d.add("d-ghost", prompt(1, 517), ghost, 1)
+        reset = None  # the step after which vLLM marked d-ghost's load failed with nothing computed
+        t0 = time.monotonic()
+        while "d-ghost" not in outputs.finish:
+            d.step()
+            p.step()
+            req = d.scheduler.requests.get("d-ghost")
+            if reset is None and req is not None and "d-ghost" in d.scheduler.failed_recving_kv_req_ids:
+                assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_computed_tokens == 0
+                reset = len(outputs.scheduled)
+            assert time.monotonic() - t0 < 60, "the failed handshake hung the request"
+        if policy == "fail":
+            assert outputs.finish["d-ghost"] == FinishReason.ERROR
+            assert not any("d-ghost" in s for s in outputs.scheduled)  # never computed
+        else:
+            assert reset is not None and outputs.finish["d-ghost"] != FinishReason.ERROR
+            # recomputed from token 0: the whole prompt scheduled in the step after the failure
+            assert outputs.scheduled[reset].get("d-ghost") == 517
+        run_until([p, d], lambda: "d-0" in d.outputs and "p-0" not in p.scheduler.requests)
+        assert outputs.finish["d-0"] != FinishReason.ERROR
+        checks = _checks(p.spec, d, ["d-0"], {"d-0": 0})
+        _verify(d, checks)
+        data = _series(d)
+        assert data["num_failed_handshakes"] == 1 and data["num_failed_transfers"] == 1
+        _check_metrics(d, [kv_bytes(d.spec, 0, checks[0])], failed=1)
+        # p-1 was never read: its lease is what frees it; p-0 was released by the decode
+        assert "p-1" in p.scheduler.requests
+        assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < p.kv_cfg.num_blocks - 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_prefill_killed_fails_exactly_its_request(model_dirs: dict[str, str]) -> None:
+    """Two prefill engines (TP 1) and one decode engine (TP 2), Kimi-Linear, pull. Both prefill engines
+    first move a request (handshakes done); then each prefills another, prefill B's worker is killed, and
+    the decode schedules both in one step: B's request fails (finished with an error, vLLM's default
+    policy) and wrote nothing, A's lands byte-exact; the failure is counted in the stats and Prometheus."""
+    from vllm.v1.engine import FinishReason
+
+    a_port, b_port, d_port = _ports(3)
+    a = Engine.start(EngineSpec("prefill-a", "kimi", model_dirs["kimi"], 1, "pull", a_port))
+    b = Engine.start(EngineSpec("prefill-b", "kimi", model_dirs["kimi"], 1, "pull", b_port))
+    d = Engine.start(
+        EngineSpec("decode", "kimi", model_dirs["kimi"], 2, "pull", d_port, extra=(("transfer_timeout_s", 10.0),))
+    )
+    outputs = Outputs(d)
+    try:
+        pa = _prefill(a, ["a-0"], [300], 0)
+        pb = _prefill(b, ["b-0"], [517], 1)
+        d.add("d-a0", prompt(0, 300), pa["a-0"], 0)
+        d.add("d-b0", prompt(1, 517), pb["b-0"], 1)
+        run_until([a, b, d], lambda: {"d-a0", "d-b0"} <= set(d.outputs) and a.idle() and b.idle())
+        first = _checks(a.spec, d, ["d-a0", "d-b0"], {"d-a0": 0, "d-b0": 1})
+        pa = _prefill(a, ["a-1"], [517], 2)
+        pb = _prefill(b, ["b-1"], [300], 3)
+        d.workers.call("mark")  # what landed so far is the baseline: the rest must be exactly a-1
+        _signal(b, signal.SIGKILL)
+        for proc in b.workers.procs:
+            proc.join(10)
+            assert not proc.is_alive()
+        d.add("d-a1", prompt(2, 517), pa["a-1"], 2)
+        d.add("d-b1", prompt(3, 300), pb["b-1"], 3)
+        run_until([a, d], lambda: {"d-a1", "d-b1"} <= set(d.outputs) and a.idle(), timeout_s=90)
+        assert outputs.finish["d-b1"] == FinishReason.ERROR
+        assert outputs.finish["d-a1"] != FinishReason.ERROR
+        checks = _checks(a.spec, d, ["d-a1"], {"d-a1": 2})
+        _verify(d, checks)  # a-1 landed, and d-b1's blocks (like every other byte) are unchanged
+        # the stats: 2 decode ranks x (2 first requests + a-1) moved, one failure per decode rank
+        moved = [kv_bytes(d.spec, r, c) for c in [*first, *checks] for r in range(d.spec.tp)]
+        _check_metrics(d, moved, failed=d.spec.tp)
+        for problem, _ in a.workers.call("verify", []):
+            assert problem is None, f"prefill memory changed: {problem}"
+    finally:
+        a.close()
+        b.close()
+        d.close()
