@@ -450,7 +450,7 @@ class Preset:
         }
 
     def engine_info(self, engine_id: str, mode: str) -> dict[str, Any]:
-        """Engine facts for ``RegionTable.agent_meta_json`` (NIXL's own metadata travels beside the payload)."""
+        """Engine facts for ``RegionTable.handshake_payload`` (NIXL's own metadata travels beside the payload)."""
         from ._core import compat_hash
 
         return {
