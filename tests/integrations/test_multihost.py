@@ -23,12 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from vllm_harness import Engine, EngineSpec, prompt, run_until, write_model_dirs
+from vllm_harness import Engine, EngineSpec, move, verify_moved, write_model_dirs
 
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-CONTENT_TOKENS = 2048
 P_PORT, D_PORT = 5600, 5700  # fresh namespaces: nothing else listens there
 _NO_PERMISSION = ("Operation not permitted", "Permission denied")
 
@@ -104,7 +103,6 @@ def test_kimi_linear_across_namespaces(hosts: tuple[Host, Host], model_dirs: dic
     ucx = (("ucx_tls", "tcp"),)
     p_spec = EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, mode, P_PORT, host=ph.ip, extra=ucx, netns=ph.netns)
     d_spec = EngineSpec("decode", "kimi", model_dirs["kimi"], 2, mode, D_PORT, host=dh.ip, extra=ucx, netns=dh.netns)
-    lengths = [300, 517, 64]
     p = Engine.start(p_spec)
     try:
         d = Engine.start(d_spec)
@@ -113,46 +111,12 @@ def test_kimi_linear_across_namespaces(hosts: tuple[Host, Host], model_dirs: dic
         raise
     try:
         before = {"p": ph.counters(), "d": dh.counters()}
-        for i, n in enumerate(lengths):
-            p.add(f"p-{i}", prompt(i, n), {"do_remote_decode": True}, i)
-            p.fills[f"p-{i}"] = (i, CONTENT_TOKENS)
-        run_until([p], lambda: all(f"p-{i}" in p.outputs for i in range(len(lengths))))
-        reqs = []
-        for i, n in enumerate(lengths):
-            params = dict(p.outputs[f"p-{i}"])
-            # the decode engine dials the prefill's veth address: the one route between the namespaces
+        reqs = move(p, d, [300, 517, 64])
+        for _, params in reqs:
+            # the decode engine dialled the prefill's veth address: the one route between the namespaces
             assert params["remote_host"] == ph.ip and params["remote_port"] == P_PORT
             assert params["do_remote_prefill"] and params["tp_size"] == 1 and params["transfer_mode"] == mode
-            d.add(f"d-{i}", prompt(i, n), params, i)
-            reqs.append((i, params))
-        run_until([p, d], lambda: all(f"d-{i}" in d.outputs for i in range(len(lengths))) and p.idle())
-
-        # every byte of every decode worker: what landed, and that nothing else changed
-        from hybrid_kv.integrations.vllm.layout import transfer_group_kinds
-
-        recv = {rid: r for meta in d.metas for rid, r in meta.recv.items()}
-        kinds = transfer_group_kinds(d.kv_cfg)
-        checks = []
-        for i, params in reqs:
-            r = recv[f"d-{i}"]
-            assert r.remote_block_ids == params["remote_block_ids"]
-            moved = None
-            for g, kind in enumerate(kinds):
-                if kind != "ssm":
-                    moved = min(
-                        len(r.remote_block_ids[g]) * p.spec.logical_block_size,
-                        len(r.local_block_ids[g]) * d.spec.logical_block_size,
-                    )
-            checks.append((r.local_block_ids, i, CONTENT_TOKENS, moved))
-        for problem, nbytes in d.workers.call("verify", checks):
-            assert problem is None, problem
-            assert nbytes > 0
-        wrong = [(checks[0][0], checks[0][1] + 1000, CONTENT_TOKENS, checks[0][3])]
-        assert all(problem is not None for problem, _ in d.workers.call("verify", wrong))
-        for problem, _ in p.workers.call("verify", []):
-            assert problem is None, f"prefill memory changed: {problem}"
-        assert p.idle() and d.idle()
-        assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == p.kv_cfg.num_blocks - 1
+        assert verify_moved(p, d, reqs) > 0
 
         # the KV bytes crossed the veth: prefill -> decode on both ends of the pair
         moved_bytes = _stats_bytes(d if mode == "pull" else p)

@@ -44,6 +44,7 @@ class EngineSpec:
     extra: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
     netns: str | None = None  # network namespace (``ip netns`` name) the workers run in; None: the test's own
+    device: str = "cpu"  # "cpu", or "cuda": worker r's KV caches on GPU r % device_count (NIXL VRAM)
 
     @property
     def logical_block_size(self) -> int:
@@ -200,7 +201,7 @@ def build(spec: EngineSpec) -> tuple[Any, Any, dict[str, Any]]:
             engine_id=spec.engine_id,
             kv_connector_extra_config=extra,
         ),
-        device_config=DeviceConfig("cpu"),
+        device_config=DeviceConfig(spec.device),
     )
     # vLLM turns the hybrid KV-cache manager (HMA) off on platforms without a GPU; every GPU deployment of a
     # hybrid model runs with it on, which is the configuration under test.
@@ -261,7 +262,7 @@ class Memory:
         self.kv_caches = kv_caches
         self.storage = next(iter(kv_caches.values())).untyped_storage()
         self.base = self.storage.data_ptr()
-        self.flat = torch.empty(0, dtype=torch.uint8).set_(self.storage).view(-1)
+        self.flat = torch.empty(0, dtype=torch.uint8, device=self.storage.device).set_(self.storage).view(-1)
         self.tp, self.rank, self.specs = tp, rank, specs
         self.num_blocks = kv_cfg.num_blocks
         self.group_of = {n: gi for gi, g in enumerate(kv_cfg.transfer_groups) for n in g.layer_names}
@@ -307,7 +308,8 @@ class Memory:
                 view[k, :, :n, :] = cells[j * kb : j * kb + n, heads].transpose(1, 0, 2)
 
     def snapshot(self) -> Any:
-        return self.flat.clone()
+        """A host (CPU) copy of this memory's bytes; ``write`` and ``bytes_view`` work on it."""
+        return self.flat.to("cpu", copy=True)
 
 
 # ---------------------------------------------------------------------------------------------- worker process
@@ -377,12 +379,21 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
     from vllm.v1.worker.utils import allocate_kv_cache
 
     vc, kv_cfg, specs = build(spec)
+    local_rank = rank
+    if spec.device == "cuda":
+        # TP ranks may share a GPU here (TP 2 on a one-GPU machine): vLLM's GPU collectives (NCCL, custom and
+        # symmetric-memory all-reduce) need one GPU per rank and nothing here uses them; gloo stays
+        from vllm.distributed.parallel_state import set_custom_all_reduce
+
+        set_custom_all_reduce(False)
+        local_rank = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local_rank)
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=spec.tp,
             rank=rank,
             distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
-            local_rank=rank,
+            local_rank=local_rank,
             backend="gloo",
         )
         ensure_model_parallel_initialized(spec.tp, 1)
@@ -391,14 +402,16 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
             KB if isinstance(g.kv_cache_spec, MLAAttentionSpec) or spec.model == "gqa" else g.kv_cache_spec.block_size
             for g in kv_cfg.kv_cache_groups
         ]
-        kv_caches = allocate_kv_cache(
-            kv_cfg, torch.device("cpu"), KVCacheLayout[vc.cache_config.kv_cache_layout], kernel
-        )
+        device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
+        kv_caches = allocate_kv_cache(kv_cfg, device, KVCacheLayout[vc.cache_config.kv_cache_layout], kernel)
         mem = Memory(kv_caches, kv_cfg, specs, spec.tp, rank)
         garbage = _rand(spec.seed, (7, zlib.crc32(spec.engine_id.encode()), rank), mem.flat.numel())
         mem.flat.copy_(torch.from_numpy(garbage))  # every byte starts as garbage: untouched ones must stay so
         connector.register_kv_caches(kv_caches)
-        conn.send(("ok", {"blocks": kv_cfg.num_blocks}))
+        from hybrid_kv.torch_adapter import tensor_memory
+
+        mem_types = sorted({tensor_memory(v, n)["mem_type"] for n, v in kv_caches.items()})
+        conn.send(("ok", {"blocks": kv_cfg.num_blocks, "mem_types": mem_types}))
         before: Any = mem.snapshot()
         while True:
             cmd, *args = conn.recv()
@@ -407,9 +420,11 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
                 conn.send(("ok", None))
                 return
             if cmd == "fill":  # the prefill's "forward": its requests' KV shares land in their blocks
+                host = mem.snapshot()
                 for ids, index, tokens in args[0]:
-                    mem.write(mem.flat, ids, Content(spec.seed, index, tokens))
-                before = mem.snapshot()
+                    mem.write(host, ids, Content(spec.seed, index, tokens))
+                mem.flat.copy_(host)
+                before = host
                 conn.send(("ok", None))
             elif cmd == "mark":
                 before = mem.snapshot()
@@ -442,7 +457,7 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
                 expected = before.clone()
                 for ids, index, tokens, moved in args[0]:
                     mem.write(expected, ids, Content(spec.seed, index, tokens), moved)
-                now = mem.flat.numpy()
+                now = mem.snapshot().numpy()
                 want = expected.numpy()
                 diff = np.flatnonzero(now != want)
                 msg = None if diff.size == 0 else f"{diff.size} bytes differ; first at byte {int(diff[0])}"
@@ -467,7 +482,7 @@ class Workers:
             p.start()
             self.conns.append(a)
             self.procs.append(p)
-        self.gather()
+        self.ready: list[Any] = self.gather()  # each rank's ready report: blocks, the NIXL memory types of its KV
 
     def gather(self) -> list[Any]:
         out = []
@@ -633,3 +648,60 @@ def prompt(index: int, n: int) -> list[int]:
 
 def cpu_count_ok() -> bool:
     return (os.cpu_count() or 1) >= 1
+
+
+# ---------------------------------------------------------------------------------------------- one P -> D run
+
+CONTENT_TOKENS = 2048  # tokens of KV each request's content holds (more than any prompt here)
+
+
+def move(p: Engine, d: Engine, lengths: list[int]) -> list[tuple[int, dict[str, Any]]]:
+    """Prefill request ``i`` (a prompt of ``lengths[i]`` tokens, KV content ``i``) on ``p``, hand its
+    ``kv_transfer_params`` to ``d`` as a router does, and run both engines until every decode request finished
+    and ``p`` is idle. Returns ``(content index, kv_transfer_params as the prefill returned them)`` per request."""
+    for i, n in enumerate(lengths):
+        p.add(f"p-{i}", prompt(i, n), {"do_remote_decode": True}, i)
+        p.fills[f"p-{i}"] = (i, CONTENT_TOKENS)
+    run_until([p], lambda: all(f"p-{i}" in p.outputs for i in range(len(lengths))))
+    reqs = []
+    for i, n in enumerate(lengths):
+        params = dict(p.outputs[f"p-{i}"])
+        reqs.append((i, dict(params)))  # as the prefill returned them (the decode's connector consumes its copy)
+        d.add(f"d-{i}", prompt(i, n), params, i)
+    run_until([p, d], lambda: all(f"d-{i}" in d.outputs for i in range(len(lengths))) and p.idle())
+    return reqs
+
+
+def verify_moved(p: Engine, d: Engine, reqs: list[tuple[int, dict[str, Any]]]) -> int:
+    """Check every byte of ``d``'s workers after ``move``: each request's blocks hold its content (attention
+    cells for the tokens the transfer covers, whole SSM states) and no other byte changed; the check reports a
+    wrong content; ``p``'s memory is unchanged; both engines are idle and ``p`` freed every block. Returns the
+    number of decode bytes checked."""
+    from hybrid_kv.integrations.vllm.layout import transfer_group_kinds
+
+    recv = {rid: r for meta in d.metas for rid, r in meta.recv.items()}
+    kinds = transfer_group_kinds(d.kv_cfg)
+    checks = []
+    for i, params in reqs:
+        r = recv[f"d-{i}"]
+        assert r.remote_block_ids == params["remote_block_ids"]
+        moved = None
+        for g, kind in enumerate(kinds):
+            if kind != "ssm":
+                moved = min(
+                    len(r.remote_block_ids[g]) * p.spec.logical_block_size,
+                    len(r.local_block_ids[g]) * d.spec.logical_block_size,
+                )
+        checks.append((r.local_block_ids, i, CONTENT_TOKENS, moved))
+    checked = 0
+    for problem, nbytes in d.workers.call("verify", checks):
+        assert problem is None, problem
+        assert nbytes > 0
+        checked += nbytes
+    wrong = [(checks[0][0], checks[0][1] + 1000, CONTENT_TOKENS, checks[0][3])]
+    assert all(problem is not None for problem, _ in d.workers.call("verify", wrong)), "the byte check is blind"
+    for problem, _ in p.workers.call("verify", []):
+        assert problem is None, f"prefill memory changed: {problem}"
+    assert p.idle() and d.idle()
+    assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == p.kv_cfg.num_blocks - 1
+    return checked
