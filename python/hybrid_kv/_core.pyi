@@ -135,6 +135,13 @@ class RankTransfer:
     def local_ids(self) -> npt.NDArray[np.int32]: ...
     @property
     def remote_ids(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def num_descriptors(self) -> int:
+        """Descriptor pairs (the length of ``local_ids``)."""
+    @property
+    def bytes(self) -> int:
+        """Bytes the transfer moves (its local descriptors' lengths, summed in Rust); raises ``PlanError`` if an
+        id no longer indexes the table."""
 
 @final
 class Plan:
@@ -190,6 +197,13 @@ class PeerPlan:
     def local_rows(self, key: str) -> npt.NDArray[np.uint64]: ...
     def remote_descs(self, rank: int) -> npt.NDArray[np.uint64]: ...
     def remote_rows(self, rank: int) -> npt.NDArray[np.uint64]: ...
+    def table_descriptors(self, key: str) -> int:
+        """Descriptors of local table ``key`` once expanded; raises ``PlanError`` for no such table."""
+    def remote_table_descriptors(self, rank: int) -> int:
+        """Descriptors of remote rank ``rank``'s table once expanded; raises ``PlanError`` if not handshaked."""
+    def local_bytes(self, key: str, ids: npt.NDArray[np.int32]) -> int:
+        """Bytes of local descriptors ``ids`` of table ``key`` (what a transfer with these local ids moves);
+        raises ``PlanError`` for no such table or an id outside it."""
     def plan(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> Plan:
         """Plan one request from each side's logical block ids per group (lists are read fastest; numpy
         integer arrays work too); raises ``PlanError``."""
@@ -197,10 +211,15 @@ class PeerPlan:
 def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> str:
     """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""
 
-def check_scenario(scenario_json: str) -> str:
+def check_scenario(scenario_json: str, *, coalesce: bool = True, ranks: bool = False) -> str:
     """Handshake-check every rank pair of a scenario and plan its requests on every rank whose pairs pass; returns
-    the verdict report as JSON (``pairs`` with findings, ``summary``). Raises ``PlanError`` / ``LayoutError`` when
-    the scenario is malformed or an engine cannot be built."""
+    the verdict report as JSON (``pairs`` with findings, ``summary``; with ``ranks`` every rank's regions, tables,
+    peers and request costs). ``coalesce=False`` checks the reference plans. Raises ``PlanError`` /
+    ``LayoutError`` when the scenario is malformed or an engine cannot be built."""
+
+def expand_rows(rows: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """``(N, 5)`` strided (or ``(N, 3)``) uint64 descriptor rows expanded to ``(M, 3)`` ``(addr, len, device)`` in
+    descriptor-id order; raises ``ValueError`` naming the bad row and the limit."""
 
 def handshake_target_ranks(tp_rank: int, tp_size: int, remote_tp: int) -> list[int]:
     """The remote ranks ``tp_rank`` of ``tp_size`` exchanges data with (one when the local TP is the larger, else

@@ -1,8 +1,10 @@
 """Pre-flight report of a real deployment of a model preset, before any GPU is touched.
 
-From a preset and both engines' TP sizes this builds every rank's layout (synthetic addresses), region table
-and handshake metadata, validates every handshake pair, builds the planner's tables for every rank that
-posts transfers, plans one request of a given length, and reports:
+From a preset and both engines' TP sizes this sizes both pools, writes the deployment as a scenario
+(``Preset.scenario``, the format ``hybrid-kv check SCENARIO.json`` reads) with one request of a given length,
+and hands it to the Rust check (``check_scenario``): it builds every rank's layout, region table and handshake
+metadata, validates every handshake pair, builds the peer plan of every rank that posts transfers and plans
+the request. This module only adds what is the preset's to say and reports:
 
 * the compatibility verdict, with every reason when it is not;
 * per rank: regions, local descriptor tables (strided rows as prepped, and descriptors once expanded),
@@ -20,8 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._core import HybridKvError, LayoutError, handshake_findings
-from .layout import build_region_table
+from ._core import LayoutError, check_scenario
 from .presets import Preset, get_preset
 
 # Heuristics for "descriptor-bound" (UCX posts one work request per descriptor; #55434 measured
@@ -107,9 +108,6 @@ def preflight(
     naming the value and the bound; an incompatible deployment is a report with ``compatible=False`` and its
     reasons. ``coalesce=False`` costs the reference plans (no chunk rows, one descriptor per kernel unit; what
     nixl < 1.5 users run)."""
-    from ._core import handshake_target_ranks
-    from .demo.planning import RankPlanner
-
     preset = get_preset(preset_name)
     if mode not in ("pull", "push"):
         raise LayoutError(f"mode must be 'pull' or 'push', got {mode!r}")
@@ -131,8 +129,8 @@ def preflight(
         report.compatible = False
         return report
 
-    tables: dict[str, list[Any]] = {}
-    payloads: dict[str, list[bytes]] = {}
+    blocks: dict[str, int] = {}
+    ids: dict[str, list[list[int]]] = {}
     for side in ("prefill", "decode"):
         tp = tps[side]
         try:
@@ -140,68 +138,49 @@ def preflight(
         except LayoutError as exc:
             report.reasons.append(f"{side}: {exc}")
             continue
-        n = num_blocks or pool_blocks(preset, tp, kv_gib, kb[side])
-        _check_kernel_blocks(side, n, geo.ppl, num_blocks is None)
-        getattr(report, side).update(tp=tp, num_blocks=n, tensors=preset.num_tensors, **geo.to_dict())
-        tables[side] = [build_region_table(preset.rank_layout(tp, r, n, kernel_block_size=kb[side])) for r in range(tp)]
-        info = preset.engine_info(side, mode)
-        payloads[side] = [t.handshake_payload(info) for t in tables[side]]
+        blocks[side] = num_blocks or pool_blocks(preset, tp, kv_gib, kb[side])
+        _check_kernel_blocks(side, blocks[side], geo.ppl, num_blocks is None)
+        getattr(report, side).update(tp=tp, num_blocks=blocks[side], tensors=preset.num_tensors, **geo.to_dict())
+        ids[side] = _request_ids(preset, geo.logical_block_size, tokens)
     if report.reasons:
         report.compatible = False
         return report
 
-    active = "decode" if mode == "pull" else "prefill"
-    passive = "prefill" if active == "decode" else "decode"
+    scenario = preset.scenario(
+        prefill_tp,
+        decode_tp,
+        mode=mode,
+        prefill_kernel_block_size=prefill_block_size,
+        decode_kernel_block_size=decode_block_size,
+        requests=[{"id": f"{tokens} tokens", "prefill": ids["prefill"], "decode": ids["decode"]}],
+    )
     for side in ("prefill", "decode"):
-        for r, t in enumerate(tables[side]):
-            rows = t.local_rows()
-            report.ranks.append(
-                RankReport(side, r, t.num_regions, int(rows.shape[0]), int(rows[:, 4].sum()), side == active)
-            )
-    by_key = {(rr.role, rr.rank): rr for rr in report.ranks}
-    geo_a, geo_p = getattr(report, active), getattr(report, passive)
-    for r, table in enumerate(tables[active]):
-        rr = by_key[(active, r)]
-        try:
-            targets = handshake_target_ranks(r, tps[active], tps[passive])
-        except HybridKvError as exc:
-            report.reasons.append(f"{active} rank {r}: {exc}")
-            continue
-        rr.peers = targets
-        for t in targets:
-            for check, local, remote, detail in handshake_findings(payloads[active][r], payloads[passive][t]):
-                report.reasons.append(
-                    f"{active} rank {r} vs {passive} rank {t}: {check}: local {local}, remote {remote}"
-                    + (f" ({detail})" if detail else "")
-                )
-        try:
-            planner = RankPlanner(table, {t: payloads[passive][t] for t in targets}, mode, coalesce=coalesce)
-        except HybridKvError as exc:
-            report.reasons.append(f"{active} rank {r}: {exc}")
-            continue
-        rr.tables = planner.table_shapes()
-        rr.remote_descriptors = {t: planner.remote_descriptors(t) for t in targets}
-        local_ids = _request_ids(preset, geo_a["logical_block_size"], tokens)
-        remote_ids = _request_ids(preset, geo_p["logical_block_size"], tokens)
-        try:
-            transfers = planner.plan(local_ids, remote_ids)
-        except HybridKvError as exc:
-            report.reasons.append(f"{active} rank {r}, request of {tokens} tokens: {exc}")
-            continue
-        rr.request_transfers = len(transfers)
-        rr.request_descriptors = sum(int(t.local_ids.size) for t in transfers)
-        rr.request_bytes = sum(planner.transfer_bytes(t) for t in transfers)
-        for t in range(tps[passive]):
-            if any(int(x.peer) == t for x in transfers):
-                peer = by_key[(passive, t)]
-                if r not in peer.peers:
-                    peer.peers.append(r)
-    for rr in report.ranks:
-        rr.peers.sort()
-    report.compatible = not report.reasons
+        scenario[side]["num_blocks"] = blocks[side]  # each pool sized by its own page
+    checked: dict[str, Any] = json.loads(check_scenario(json.dumps(scenario), coalesce=coalesce, ranks=True))
+    report.ranks = [_rank_report(r) for r in checked.get("ranks", [])]
+    report.reasons = list(checked["reasons"])
+    report.compatible = bool(checked["compatible"])
     if report.compatible:
-        report.warnings = _warnings(report, active)
+        report.warnings = _warnings(report, "decode" if mode == "pull" else "prefill")
     return report
+
+
+def _rank_report(r: dict[str, Any]) -> RankReport:
+    """A rank of the Rust check's report (``check_scenario(..., ranks=True)``) as a ``RankReport``."""
+    return RankReport(
+        role=str(r["role"]),
+        rank=int(r["rank"]),
+        regions=int(r["regions"]),
+        local_rows=int(r["local_rows"]),
+        local_descriptors=int(r["local_descriptors"]),
+        posts=bool(r["posts"]),
+        peers=[int(p) for p in r["peers"]],
+        tables={t["key"]: {"rows": int(t["rows"]), "descriptors": int(t["descriptors"])} for t in r["tables"]},
+        remote_descriptors={int(rank): int(n) for rank, n in r["remote_descriptors"]},
+        request_descriptors=int(r["request_descriptors"]),
+        request_bytes=int(r["request_bytes"]),
+        request_transfers=int(r["request_transfers"]),
+    )
 
 
 def _check_bounds(

@@ -1,6 +1,7 @@
 //! Moving Rust buffers into numpy arrays without copying them, and filling numpy arrays in place.
 
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::core::DescTable;
@@ -27,4 +28,26 @@ pub fn flat_descs<'py>(py: Python<'py>, table: &DescTable) -> PyResult<Bound<'py
         py.detach(|| table.write_flat(flat));
     }
     Ok(out)
+}
+
+/// Expand descriptor rows into flat `(N, 3)` uint64 rows `(addr, len, device)`, in descriptor-id order
+/// (strided row 0's descriptors first), as NIXL takes them when it has no strided form.
+///
+/// Args:
+///     rows (numpy.ndarray): uint64 `(N, 5)` strided rows `(addr, len, device, stride, count)`, or `(N, 3)`
+///         rows (returned as a copy).
+/// Raises:
+///     ValueError: not 3 or 5 columns, no rows, a strided row of count 0, a descriptor that ends past 2^64,
+///         or more descriptors than int32 ids index (the message names the row and the limit).
+#[pyfunction]
+pub fn expand_rows<'py>(py: Python<'py>, rows: PyReadonlyArray2<'py, u64>) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    let cols = rows.shape()[1];
+    let flat: Vec<u64> = match rows.as_slice() {
+        Ok(s) => s.to_vec(),
+        Err(_) => rows.as_array().iter().copied().collect(),
+    };
+    let table = py
+        .detach(move || DescTable::from_rows(&flat, cols))
+        .map_err(PyValueError::new_err)?;
+    flat_descs(py, &table)
 }

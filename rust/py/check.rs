@@ -3,8 +3,8 @@
 use pyo3::prelude::*;
 
 use super::errors::{no_panic, Error, Kind};
-use crate::core::scenario::ScenarioError;
-use crate::core::scenario_check::check_scenario_json;
+use crate::core::scenario::{Scenario, ScenarioError};
+use crate::core::scenario_check::check_scenario_with;
 
 /// Build every rank of a scenario (see `docs/scenario.md`), run the handshake checks on every rank pair,
 /// plan the requests on every local rank whose pairs all pass, and return the verdict report as JSON.
@@ -12,14 +12,23 @@ use crate::core::scenario_check::check_scenario_json;
 /// The report has `pairs` (prefill/decode/local/remote rank, `verdict`, `findings` as objects with `check`,
 /// `local`, `remote` and `detail`) and a `summary` whose `compatible` is true only when every pair is.
 ///
+/// Args:
+///     scenario_json (str): the scenario.
+///     coalesce (bool): peer plans coalesce runs into chunk descriptors (False: the reference plans).
+///     ranks (bool): add `ranks`, every rank of both engines (prefill first) with its regions, local rows and
+///         descriptors, peers, and for posting ranks their tables (`key`, `rows`, `descriptors`), each remote
+///         table's descriptors (`[rank, n]` pairs) and the descriptors, bytes and transfers of the requests.
 /// Raises:
 ///     PlanError: the scenario is malformed or an engine cannot be built (values the format forbids).
 ///     LayoutError: a rank's layout is invalid.
 #[pyfunction]
-pub fn check_scenario(py: Python<'_>, scenario_json: &str) -> PyResult<String> {
+#[pyo3(signature = (scenario_json, *, coalesce = true, ranks = false))]
+pub fn check_scenario(py: Python<'_>, scenario_json: &str, coalesce: bool, ranks: bool) -> PyResult<String> {
     let text = scenario_json.to_owned();
     let out = no_panic(Kind::Plan, || {
-        let r = py.detach(move || -> Result<_, ScenarioError> { check_scenario_json(&text) })?;
+        let r = py.detach(move || -> Result<_, ScenarioError> {
+            check_scenario_with(&Scenario::from_json(&text)?, coalesce, ranks)
+        })?;
         serde_json::to_string(&r).map_err(|e| Error::internal(format!("the check report does not serialize: {e}")))
     })?;
     Ok(out)

@@ -43,6 +43,9 @@ mod _core {
     use super::check::check_scenario;
 
     #[pymodule_export]
+    use super::arrays::expand_rows;
+
+    #[pymodule_export]
     use super::handshake::{
         compat_hash, decode_meta, encode_meta, handshake_findings, meta_fingerprint, validate_handshake,
     };

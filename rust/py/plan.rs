@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use super::arrays::{flat_descs, u64_matrix};
@@ -221,6 +221,46 @@ impl PyPeerPlan {
         u64_matrix(py, t.to_strided(), 5)
     }
 
+    /// Descriptors of local table `key` once expanded (what its strided rows stand for).
+    ///
+    /// Raises:
+    ///     PlanError: no such table.
+    fn table_descriptors(&self, key: &str) -> PyResult<u64> {
+        let k = parse_key(key)?;
+        Ok(self
+            .inner
+            .table_descriptors(k)
+            .ok_or_else(|| Error::plan(format!("no local table {key:?}")))?)
+    }
+
+    /// Bytes of local descriptors `ids` of table `key` (what a transfer with these local ids moves).
+    ///
+    /// Args:
+    ///     key (str): the local table ("whole", "bsr:N", "split:I").
+    ///     ids (numpy.ndarray): int32 descriptor ids, as `RankTransfer.local_ids`.
+    /// Raises:
+    ///     PlanError: no such table, or an id outside it (named with the table's size).
+    fn local_bytes(&self, key: &str, ids: PyReadonlyArray1<'_, i32>) -> PyResult<u64> {
+        let k = parse_key(key)?;
+        let ids = ids.as_array();
+        let bytes = match ids.as_slice() {
+            Some(s) => self.inner.ids_bytes(k, s),
+            None => self.inner.ids_bytes(k, &ids.iter().copied().collect::<Vec<i32>>()),
+        };
+        Ok(bytes.map_err(Error::from)?)
+    }
+
+    /// Descriptors of remote rank `rank`'s table once expanded.
+    ///
+    /// Raises:
+    ///     PlanError: `rank` was not handshaked.
+    fn remote_table_descriptors(&self, rank: u32) -> PyResult<u64> {
+        Ok(self
+            .inner
+            .remote_descriptors(rank)
+            .ok_or_else(|| Error::plan(format!("no remote rank {rank}")))?)
+    }
+
     /// Plan one request from each side's logical block ids per group.
     ///
     /// Args:
@@ -244,6 +284,7 @@ impl PyPeerPlan {
         let mut transfers = Vec::with_capacity(plan.transfers.len());
         for t in plan.transfers {
             let rt = PyRankTransfer {
+                peer: Arc::clone(&self.inner),
                 remote_rank: t.remote_rank,
                 key: t.local_table,
                 remote_table: t.remote_table,
@@ -276,6 +317,7 @@ impl PyPeerPlan {
 /// One NIXL transfer: int32 descriptor ids into a local table and a remote rank's table.
 #[pyclass(frozen, name = "RankTransfer", module = "hybrid_kv")]
 pub struct PyRankTransfer {
+    peer: Arc<PeerPlan>,
     remote_rank: u32,
     key: TableKey,
     remote_table: u32,
@@ -313,6 +355,23 @@ impl PyRankTransfer {
     #[getter]
     fn remote_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         self.remote_ids.bind(py).clone()
+    }
+
+    /// Descriptor pairs in this transfer (the length of `local_ids`).
+    #[getter]
+    fn num_descriptors(&self, py: Python<'_>) -> usize {
+        self.local_ids.bind(py).len().unwrap_or(0)
+    }
+
+    /// Bytes this transfer moves: the lengths of its local descriptors, summed in the core (the remote
+    /// descriptors have the same lengths pair by pair).
+    ///
+    /// Raises:
+    ///     PlanError: an id no longer indexes the local table (the id array was changed in place).
+    #[getter]
+    fn bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        let ids = self.local_ids.bind(py).readonly();
+        Ok(self.peer.ids_bytes(self.key, ids.as_slice()?).map_err(Error::from)?)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {

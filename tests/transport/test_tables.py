@@ -7,15 +7,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_kv.transport import DescTable, Transfer, TransferError, check_ids, expand_strided
+from hybrid_kv._core import expand_rows
+from hybrid_kv.transport import CheckedTable, Transfer, TransferError, check_ids
 from hybrid_kv.transport import notifications as notif
 
 
-def test_expand_strided_matches_flat_order() -> None:
+def test_expand_rows_matches_flat_order() -> None:
     rows = np.array([[1000, 16, 0, 64, 3], [5000, 8, 1, 8, 2]], dtype=np.uint64)
     expect = [[1000, 16, 0], [1064, 16, 0], [1128, 16, 0], [5000, 8, 1], [5008, 8, 1]]
-    assert expand_strided(rows).tolist() == expect
-    assert expand_strided(rows).dtype == np.uint64
+    assert expand_rows(rows).tolist() == expect
+    assert expand_rows(rows).dtype == np.uint64
+    assert expand_rows(np.array(expect, dtype=np.uint64)).tolist() == expect  # (N, 3) rows: a copy
+    assert expand_rows(rows[::-1]).tolist() == expect[3:] + expect[:3]  # a non-contiguous view
+
+
+def test_expand_rows_names_the_bad_row_and_the_limit() -> None:
+    with pytest.raises(ValueError, match="3 or 5 columns, got 4"):
+        expand_rows(np.zeros((2, 4), dtype=np.uint64))
+    with pytest.raises(ValueError, match="descriptor row 1 has count 0"):
+        expand_rows(np.array([[0, 8, 0, 8, 1], [0, 8, 0, 8, 0]], dtype=np.uint64))
+    with pytest.raises(
+        ValueError, match=r"row 0 \(addr 0, len 1, stride 18446744073709551615, count 2\) ends past 2\^64"
+    ):
+        expand_rows(np.array([[0, 1, 0, 2**64 - 1, 2]], dtype=np.uint64))
+    with pytest.raises(ValueError, match="over the limit of 2147483647"):
+        expand_rows(np.array([[0, 1, 0, 1, 2**31]], dtype=np.uint64))
 
 
 @settings(max_examples=50, deadline=None)
@@ -26,17 +42,17 @@ def test_expand_strided_matches_flat_order() -> None:
         max_size=6,
     )
 )
-def test_expand_strided_sizes_and_lengths(spec: list[tuple[int, int, int, int]]) -> None:
+def test_expand_rows_sizes_and_lengths(spec: list[tuple[int, int, int, int]]) -> None:
     rows = np.array([[a, n, 0, s, c] for a, n, s, c in spec], dtype=np.uint64)
-    table = DescTable("t", rows)
-    flat = expand_strided(rows)
+    table = CheckedTable("t", rows)
+    flat = expand_rows(rows)
     assert table.size == flat.shape[0] == sum(c for *_, c in spec)
     ids = np.arange(table.size, dtype=np.int32)
     assert (table.lengths(ids) == flat[:, 1]).all()
 
 
 def test_check_ids_names_the_id_and_the_limit() -> None:
-    table = DescTable("whole", np.array([[0, 256, 0, 256, 8]], dtype=np.uint64))
+    table = CheckedTable("whole", np.array([[0, 256, 0, 256, 8]], dtype=np.uint64))
     with pytest.raises(TransferError, match=r"local descriptor id 8 out of range for table 'whole' of 8 descriptors"):
         check_ids(np.array([1, 8, 9], dtype=np.int32), table, "local")
     with pytest.raises(TransferError, match=r"id -1 out of range"):
@@ -49,11 +65,11 @@ def test_check_ids_names_the_id_and_the_limit() -> None:
 
 def test_bad_tables_are_rejected() -> None:
     with pytest.raises(ValueError, match="3 or 5 columns"):
-        DescTable("x", np.zeros((2, 4), dtype=np.uint64))
+        CheckedTable("x", np.zeros((2, 4), dtype=np.uint64))
     with pytest.raises(ValueError, match="count 0"):
-        DescTable("x", np.array([[0, 8, 0, 8, 0]], dtype=np.uint64))
+        CheckedTable("x", np.array([[0, 8, 0, 8, 0]], dtype=np.uint64))
     with pytest.raises(ValueError, match="integer dtype"):
-        DescTable("x", np.zeros((1, 3), dtype=np.float64))
+        CheckedTable("x", np.zeros((1, 3), dtype=np.float64))
 
 
 def test_notification_round_trip() -> None:

@@ -22,7 +22,7 @@ from .requests import (
     Transfer,
     TransferStats,
 )
-from .tables import DescTable, check_ids, expand_strided
+from .tables import CheckedTable, check_ids
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -37,8 +37,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckedTable",
     "ControlMessage",
-    "DescTable",
     "Endpoint",
     "HandshakeError",
     "Op",
@@ -51,5 +51,4 @@ __all__ = [
     "TransferError",
     "TransferStats",
     "check_ids",
-    "expand_strided",
 ]

@@ -15,9 +15,10 @@ import numpy as np
 import numpy.typing as npt
 from nixl._api import nixl_agent, nixl_agent_config
 
+from .._core import expand_rows
 from ..hugepages import HugePageReport, advise_huge_pages
 from .netif import ucx_restricted_to
-from .tables import DescTable, expand_strided, registration_array
+from .tables import CheckedTable, registration_array
 
 __all__ = ["CALL_ERRORS", "DISCONNECT", "LOCAL", "NIXL_ERRORS", "Agent"]
 
@@ -78,7 +79,7 @@ class Agent:
         # Telemetry: each completed transfer's bytes, descriptors (after NIXL's merge) and post/transfer time.
         config = nixl_agent_config(enable_prog_thread=False, backends=[], capture_telemetry=True)
         self.nixl: Any = nixl_agent(name, config)
-        self.tables: dict[str, DescTable] = {}
+        self.tables: dict[str, CheckedTable] = {}
         self.local: dict[str, Any] = {}
         self.zombies: list[Any] = []
         self.metadata = b""
@@ -108,7 +109,7 @@ class Agent:
         if huge_pages != "off" and self.mem_type == "DRAM":
             self.huge_pages = advise_huge_pages(self._reg_rows, collapse=huge_pages == "collapse")
         self._reg = self.nixl.register_memory(self._reg_rows, self.mem_type)
-        self.tables = {key: DescTable(key, np.asarray(rows)) for key, rows in local_tables.items()}
+        self.tables = {key: CheckedTable(key, np.asarray(rows)) for key, rows in local_tables.items()}
         for key, table in self.tables.items():
             self.local[key] = self.prep(LOCAL, table)
         self.metadata = self.nixl.get_agent_metadata()
@@ -132,11 +133,11 @@ class Agent:
 
     # ------------------------------------------------------------------ dlists and remote agents
 
-    def prep(self, agent_name: str, table: DescTable) -> Any:
+    def prep(self, agent_name: str, table: CheckedTable) -> Any:
         """Prep ``table`` against ``agent_name`` (``LOCAL`` for our own), expanding ``(N, 5)`` rows if needed."""
         if table.strided and self.strided_supported():
             return self.nixl.prep_xfer_dlist(agent_name, table.rows, self.mem_type)
-        rows = expand_strided(table.rows)
+        rows = expand_rows(table.rows) if table.strided else table.rows
         if table.strided:
             _warn_if_large(table, rows.shape[0])
         return self.nixl.prep_xfer_dlist(agent_name, rows, self.mem_type)
@@ -195,7 +196,7 @@ class Agent:
         return _strided_ok
 
 
-def _warn_if_large(table: DescTable, descriptors: int) -> None:
+def _warn_if_large(table: CheckedTable, descriptors: int) -> None:
     """Log once per process that a large strided table had to be expanded (NIXL without the ``(N, 5)`` form)."""
     global _warned_expansion
     if descriptors < LARGE_EXPANSION or _warned_expansion:

@@ -21,7 +21,7 @@ from .agent import CALL_ERRORS, DISCONNECT, Agent
 from .errors import TransferError
 from .peers import Peer, Peers
 from .requests import Op, PeerKey, PollResult, RequestHandle, RequestState, Transfer
-from .tables import DescTable, check_ids
+from .tables import CheckedTable, check_ids
 
 __all__ = ["InFlight"]
 
@@ -172,7 +172,7 @@ class InFlight:
 
     @staticmethod
     def _check_remote(
-        peer: Peer, key: str, ids: npt.ArrayLike, local: DescTable, local_ids: npt.NDArray[np.int32]
+        peer: Peer, key: str, ids: npt.ArrayLike, local: CheckedTable, local_ids: npt.NDArray[np.int32]
     ) -> npt.NDArray[np.int32]:
         remote = peer.tables.get(key)
         if remote is None:

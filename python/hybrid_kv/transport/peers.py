@@ -27,7 +27,7 @@ import zmq
 from .agent import Agent
 from .requests import PeerKey
 from .side_channel import MetaReply, fetch_named_meta
-from .tables import DescTable
+from .tables import CheckedTable
 
 __all__ = ["Peer", "Peers"]
 
@@ -65,7 +65,7 @@ class Peer:
     findings: tuple[tuple[str, str, str, str], ...] = ()
     agent_name: str | None = None
     payload: bytes = b""
-    tables: dict[str, DescTable] = field(default_factory=dict)
+    tables: dict[str, CheckedTable] = field(default_factory=dict)
     dlists: dict[str, Any] = field(default_factory=dict)
     thread: threading.Thread | None = None
     result: MetaReply | BaseException | None = None
@@ -252,7 +252,7 @@ class Peers:
         peer.agent_name = loaded
         try:
             for key, rows in peer.tables_fn(payload).items():
-                table = DescTable(key, np.asarray(rows))
+                table = CheckedTable(key, np.asarray(rows))
                 peer.tables[key] = table
                 peer.dlists[key] = self._agent.prep(loaded, table)
         except Exception as exc:  # NIXL errors and whatever the user's tables callback raises

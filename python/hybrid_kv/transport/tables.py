@@ -1,9 +1,10 @@
-"""Descriptor tables as the planner emits them: checking, sizing, expanding and index validation.
+"""Descriptor tables as the planner emits them: checking, sizing and index validation.
 
 A table is a ``uint64`` C-contiguous ndarray of either ``(N, 3)`` rows ``(addr, len, dev)`` or
 ``(N, 5)`` strided rows ``(addr, len, dev, stride, count)``; a strided row stands for ``count``
 descriptors of ``len`` bytes every ``stride`` bytes, and descriptor ids address the flattened list
-(row 0's descriptors first). Nothing here talks to NIXL.
+(row 0's descriptors first). Expanding strided rows for a NIXL without the strided form is the Rust
+core's ``hybrid_kv._core.expand_rows``. Nothing here talks to NIXL.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy.typing as npt
 
 from .errors import TransferError
 
-__all__ = ["DescTable", "check_ids", "expand_strided", "registration_array"]
+__all__ = ["CheckedTable", "check_ids", "registration_array"]
 
 U64 = npt.NDArray[np.uint64]
 I32 = npt.NDArray[np.int32]
@@ -37,24 +38,10 @@ def registration_array(descs: npt.ArrayLike) -> U64:
     return arr
 
 
-def expand_strided(table: U64) -> U64:
-    """Expand ``(N, 5)`` strided rows into the equivalent ``(M, 3)`` rows, in flattened id order."""
-    if table.shape[1] == 3:
-        return table
-    counts = table[:, 4].astype(np.int64)
-    row = np.repeat(np.arange(table.shape[0]), counts)
-    starts = np.cumsum(counts) - counts
-    within = np.arange(row.size, dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
-    out = np.empty((row.size, 3), dtype=np.uint64)
-    out[:, 0] = table[row, 0] + within * table[row, 3]
-    out[:, 1] = table[row, 1]
-    out[:, 2] = table[row, 2]
-    return out
-
-
 @dataclass(frozen=True)
-class DescTable:
-    """One checked descriptor table and the facts needed to validate ids against it.
+class CheckedTable:
+    """One checked descriptor table and the facts needed to validate ids against it (the transport's view of a
+    table it was handed; the Rust core's tables are ``hybrid_kv._core`` objects).
 
     Attributes:
         key: the table's name (``"whole"``, ``"split:0"``...), used in error messages.
@@ -94,7 +81,7 @@ class DescTable:
         return lengths
 
 
-def check_ids(ids: npt.ArrayLike, table: DescTable, side: str) -> I32:
+def check_ids(ids: npt.ArrayLike, table: CheckedTable, side: str) -> I32:
     """Return ``ids`` as a 1-D int32 C-contiguous array after checking them against ``table``.
 
     Raises:
