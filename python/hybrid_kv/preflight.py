@@ -12,7 +12,8 @@ the request. This module only adds what is the preset's to say and reports:
 * per request: descriptors, bytes and NIXL transfers of each posting rank;
 * warnings when a configuration will be descriptor-bound (many small descriptors per request).
 
-``hybrid-kv check --preset NAME --prefill-tp N --decode-tp M`` prints it (``--json`` for machines).
+``hybrid-kv check --preset NAME --prefill-tp N --decode-tp M`` prints it (``--json`` for machines; the command
+line is :mod:`hybrid_kv.cli.check`). Nothing here needs torch, NIXL or zmq.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._core import LayoutError, check_scenario
+from .limits import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE
 from .presets import Preset, get_preset
 
 # Heuristics for "descriptor-bound" (UCX posts one work request per descriptor; #55434 measured
@@ -193,8 +195,6 @@ def _check_bounds(
     decode_block_size: int | None,
 ) -> None:
     """``LayoutError`` naming the first argument outside its bound (before any of them sizes anything)."""
-    from .cli._args import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE
-
     ints = [
         ("request length (tokens)", tokens, MAX_TOKENS),
         ("number of blocks", num_blocks, MAX_NUM_BLOCKS),
@@ -218,8 +218,6 @@ def _check_bounds(
 
 def _check_kernel_blocks(side: str, blocks: int, ppl: int, from_kv_gib: bool) -> None:
     """``LayoutError`` when a pool of ``blocks`` logical blocks has more kernel blocks than int32 ids address."""
-    from .cli._args import MAX_NUM_BLOCKS
-
     if blocks * ppl > MAX_NUM_BLOCKS:
         given = "--kv-gib" if from_kv_gib else "--num-blocks"
         raise LayoutError(
@@ -273,150 +271,3 @@ def _rank_warnings(report: Report) -> list[tuple[str, int, str]]:
                 )
             )
     return out
-
-
-# ---------------------------------------------------------------------------------------------- command line
-
-PRESET_EXAMPLES = """preset pre-flight examples:
-  hybrid-kv check --preset kimi-linear-48b-a3b --prefill-tp 8 --decode-tp 1
-  hybrid-kv check --preset deepseek-v3 --prefill-tp 8 --decode-tp 8 --tokens 32768 --json
-  hybrid-kv check --preset qwen3-next-80b-a3b --prefill-tp 2 --decode-tp 4 --mode push --kv-gib 60
-"""
-
-
-def add_preset_arguments(p: Any) -> None:
-    """The ``--preset`` options of ``hybrid-kv check`` (a pre-flight report instead of a scenario file); every
-    number is bounded while parsing (see :mod:`hybrid_kv.cli._args`)."""
-    from .cli._args import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE, positive_float, positive_int
-    from .presets import preset_names
-
-    tp, blocks, kernel = positive_int(MAX_TP_SIZE), positive_int(MAX_NUM_BLOCKS), positive_int(MAX_BLOCK_TOKENS)
-    g = p.add_argument_group("preset pre-flight (instead of a scenario file)")
-    g.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(preset_names())}")
-    g.add_argument("--prefill-tp", type=tp, metavar="N", help=f"prefill TP size, 1-{MAX_TP_SIZE} (with --preset)")
-    g.add_argument("--decode-tp", type=tp, metavar="M", help=f"decode TP size, 1-{MAX_TP_SIZE} (with --preset)")
-    g.add_argument("--mode", choices=("pull", "push"), default="pull", help="who posts transfers (default pull)")
-    g.add_argument(
-        "--tokens",
-        type=positive_int(MAX_TOKENS),
-        default=32768,
-        metavar="L",
-        help=f"request length to cost, 1-{MAX_TOKENS} (default 32768)",
-    )
-    g.add_argument(
-        "--kv-gib",
-        type=positive_float(MAX_KV_GIB),
-        metavar="G",
-        help=f"KV-cache GiB per rank, sizing the pools, at most {MAX_KV_GIB:g} (default {DEFAULT_KV_GIB:g}; "
-        f"{TINY_KV_GIB:g} for tiny presets)",
-    )
-    g.add_argument(
-        "--num-blocks",
-        type=blocks,
-        metavar="N",
-        help=f"logical blocks per pool, 1-{MAX_NUM_BLOCKS} (overrides --kv-gib)",
-    )
-    g.add_argument(
-        "--prefill-block-size",
-        type=kernel,
-        metavar="K",
-        help=f"prefill kernel block, 1-{MAX_BLOCK_TOKENS} (default: preset's)",
-    )
-    g.add_argument(
-        "--decode-block-size",
-        type=kernel,
-        metavar="K",
-        help=f"decode kernel block, 1-{MAX_BLOCK_TOKENS} (default: preset's)",
-    )
-    g.add_argument(
-        "--no-coalesce",
-        action="store_true",
-        help="cost one descriptor per kernel unit, without chunk rows (the plans nixl < 1.5 users get)",
-    )
-
-
-def run_preset(args: Any) -> int:
-    """``hybrid-kv check --preset ...``: print the report; 0 compatible, 1 incompatible."""
-    from .cli import CliError
-
-    if args.prefill_tp is None or args.decode_tp is None:
-        raise CliError("--preset needs --prefill-tp and --decode-tp")
-    report = preflight(
-        args.preset,
-        args.prefill_tp,
-        args.decode_tp,
-        mode=args.mode,
-        tokens=args.tokens,
-        kv_gib=args.kv_gib,
-        num_blocks=args.num_blocks,
-        prefill_block_size=args.prefill_block_size,
-        decode_block_size=args.decode_block_size,
-        coalesce=not getattr(args, "no_coalesce", False),
-    )
-    if getattr(args, "json", False):
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print_report(report)
-    return 0 if report.compatible else 1
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def print_report(report: Report) -> None:
-    """Human-readable report (rich)."""
-    from rich.table import Table
-
-    from .cli._console import console
-
-    out = console()
-    out.print(
-        f"[bold]hybrid-kv check[/bold]: {report.preset} ({report.description}); prefill TP "
-        f"{report.prefill['tp']} -> decode TP {report.decode['tp']}, {report.mode}"
-    )
-    out.print(f"  source: {report.source}")
-    for side in ("prefill", "decode"):
-        s = getattr(report, side)
-        if "num_blocks" in s:
-            out.print(
-                f"  {side:7}: TP {s['tp']}, logical block {s['logical_block_size']} tokens = {s['ppl']} x "
-                f"{s['kernel_block_size']}-token kernel blocks of {_size(s['kernel_page_bytes'])}, page "
-                f"{_size(s['page_bytes'])}, {s['num_blocks']} blocks x {s['tensors']} tensors per rank "
-                f"({_size(s['num_blocks'] * s['page_bytes'] * s['tensors'])})"
-            )
-    if report.ranks:
-        t = Table(title=f"per rank (request of {report.tokens} tokens)")
-        for col in ("rank", "regions", "local table", "peers", "remote tables", "req. descs", "req. bytes", "xfers"):
-            t.add_column(col, justify="left" if col in ("rank", "local table", "peers", "remote tables") else "right")
-        for rr in report.ranks:
-            local = f"{rr.local_rows} rows = {rr.local_descriptors} descs"
-            if len(rr.tables) > 1:
-                local += f" (+{len(rr.tables) - 1} split)"
-            remote = ", ".join(f"{r}: {n}" for r, n in rr.remote_descriptors.items()) or "-"
-            posting = rr.posts and rr.request_descriptors
-            t.add_row(
-                f"{rr.role} {rr.rank}" + (" *" if rr.posts else ""),
-                str(rr.regions),
-                local,
-                ", ".join(map(str, rr.peers)) or "-",
-                remote,
-                str(rr.request_descriptors) if posting else "-",
-                _size(rr.request_bytes) if posting else "-",
-                str(rr.request_transfers) if posting else "-",
-            )
-        out.print(t)
-        out.print("  * posts the transfers (decode in pull mode, prefill in push mode)")
-    if report.compatible:
-        out.print("[bold green]COMPATIBLE[/bold green]: every handshake pair validates and every posting rank plans")
-    else:
-        n = len(report.reasons)
-        out.print(f"[bold red]INCOMPATIBLE[/bold red]: {n} reason{'' if n == 1 else 's'}")
-        for r in report.reasons:
-            out.print(f"  - {r}")
-    for w in report.warnings:
-        out.print(f"[yellow]warning[/yellow]: {w}")

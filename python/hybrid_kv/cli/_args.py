@@ -11,12 +11,9 @@ import argparse
 import math
 from collections.abc import Callable
 
-MAX_TP_SIZE = 1024
-"""Largest TP size (``MAX_TP_SIZE`` in ``rust/core/tp.rs``; TP mappings allocate per rank)."""
-MAX_NUM_BLOCKS = 2**31 - 1
-"""Most logical blocks in a pool: descriptor ids are int32 (``MAX_NUM_BLOCKS`` in ``rust/core/scenario_bounds.rs``)."""
-MAX_BLOCK_TOKENS = 2**20
-"""Largest logical or kernel block in tokens (``MAX_BLOCK_TOKENS`` in ``rust/core/scenario_bounds.rs``)."""
+from ..limits import MAX_BLOCK_TOKENS as MAX_BLOCK_TOKENS  # the limits live beside the library that checks them
+from ..limits import MAX_NUM_BLOCKS as MAX_NUM_BLOCKS
+from ..limits import MAX_TP_SIZE as MAX_TP_SIZE
 
 _SHOWN_CHARS = 40
 
