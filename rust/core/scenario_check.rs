@@ -141,7 +141,11 @@ pub fn check_scenario_with(s: &Scenario, coalesce: bool, with_ranks: bool) -> Re
         requests: s.requests.len(),
         ..CheckSummary::default()
     };
-    let mut costs = rank_costs(&prefill, &decode, s.mode == TransferMode::Push);
+    let mut costs = if with_ranks {
+        rank_costs(&prefill, &decode, s.mode == TransferMode::Push)
+    } else {
+        Vec::new() // nothing below is computed for a rank without an entry
+    };
     let local_side = local_side_of(s.mode);
     for l in local {
         let rank = l.table.tp_rank;
@@ -164,11 +168,8 @@ pub fn check_scenario_with(s: &Scenario, coalesce: bool, with_ranks: bool) -> Re
         };
         let ranks: Vec<u32> = metas.iter().map(|m| m.tp_rank).collect();
         let who = (format!("{} rank {rank}", who.0), format!("{} ranks {ranks:?}", who.1));
-        let mut own = cost.map(|c| costs[c].clone());
-        let (found, touched) = plan_rank(s, &l.table, &metas, &who, &mut summary, coalesce, own.as_mut());
-        if let (Some(c), Some(own)) = (cost, own) {
-            costs[c] = own;
-        }
+        let own = cost.map(|c| &mut costs[c]);
+        let (found, touched) = plan_rank(s, &l.table, &metas, &who, &mut summary, coalesce, own);
         for remote in touched {
             link_peer(&mut costs, local_side, rank, remote);
         }
@@ -202,7 +203,7 @@ pub fn check_scenario_with(s: &Scenario, coalesce: bool, with_ranks: bool) -> Re
         pairs,
         summary,
         reasons,
-        ranks: if with_ranks { costs } else { Vec::new() },
+        ranks: costs,
     })
 }
 
