@@ -21,7 +21,7 @@ SCENARIOS = sorted((ROOT / "tests" / "data" / "scenarios").glob("*.json"))
 def test_example_scenarios_validate_and_plan(path: Path) -> None:
     text = path.read_text()
     jsonschema.validate(json.loads(text), SCHEMA)
-    report = json.loads(plan_scenario(text))
+    report = plan_scenario(text)
     assert report["requests"]
     for req in report["requests"]:
         for rank in req["ranks"]:
@@ -32,13 +32,13 @@ def test_example_scenarios_validate_and_plan(path: Path) -> None:
 
 def test_f2_scenario_report() -> None:
     text = (ROOT / "tests/data/scenarios/hybrid_mla_f2.json").read_text()
-    report = json.loads(plan_scenario(text, moves=False, coalesce=False))
+    report = plan_scenario(text, moves=False, coalesce=False)
     t = report["requests"][0]["ranks"][0]["transfers"][0]
     assert t["local_ids"][:6] == [3, 4, 5, 15, 16, 17] and t["moves"] == []
     assert (report["mode"], report["local_side"], report["tp"]) == ("pull", "decode", [1, 1])
     # Coalesced (the default): each MLA run 3,4,5 is odd, so it keeps its plain ids (NIXL merges them either
     # way); equal TP makes each of the 2 x 2 KDA states one whole-state id instead of four pieces.
-    c = json.loads(plan_scenario(text, moves=False))["requests"][0]["ranks"][0]["transfers"][0]
+    c = plan_scenario(text, moves=False)["requests"][0]["ranks"][0]["transfers"][0]
     assert c["local_ids"][:6] == t["local_ids"][:6] and (len(c["local_ids"]), len(t["local_ids"])) == (10, 22)
     assert c["bytes"] == t["bytes"]
 

@@ -160,7 +160,7 @@ def test_preset_scenarios_build_and_plan(name: str, ptp: int, dtp: int, mode: st
 
     request = {"id": "r0", "prefill": ids(pg.logical_block_size), "decode": ids(dg.logical_block_size)}
     scenario = p.scenario(ptp, dtp, mode=mode, num_blocks=128, requests=[request])
-    report = json.loads(plan_scenario(json.dumps(scenario), moves=False))
+    report = plan_scenario(json.dumps(scenario), moves=False)
     assert report["tp"] == [ptp, dtp] and report["mode"] == mode
     ranks = report["requests"][0]["ranks"]
     assert len(ranks) == (dtp if mode == "pull" else ptp)

@@ -208,8 +208,9 @@ class PeerPlan:
         """Plan one request from each side's logical block ids per group (lists are read fastest; numpy
         integer arrays work too); raises ``PlanError``."""
 
-def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> str:
-    """Build and plan a whole scenario; returns the report as JSON. Raises ``PlanError`` / ``LayoutError``."""
+def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> dict[str, Any]:
+    """Build and plan a whole scenario; returns the report as a dict (what its JSON holds). Raises ``PlanError``
+    / ``LayoutError``."""
 
 def check_scenario(scenario_json: str, *, coalesce: bool = True, ranks: bool = False) -> str:
     """Handshake-check every rank pair of a scenario and plan its requests on every rank whose pairs pass; returns

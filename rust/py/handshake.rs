@@ -7,19 +7,13 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
+use super::convert::to_py;
 use super::errors::{finding_tuple, no_panic, Error, Kind, PyFinding};
 use crate::core::handshake::{self as hs, Expected, Finding, ModelFactors};
 use crate::core::AgentMeta;
 
-/// Metadata as a Python dict with the JSON data model (lists for tuples, a list of ints for the opaque NIXL
-/// bytes), built through pythonize without a JSON string.
-pub fn meta_to_py<'py>(py: Python<'py>, meta: &AgentMeta) -> Result<Bound<'py, PyAny>, Error> {
-    let bad = |e: &dyn std::fmt::Display| Error::internal(format!("metadata does not convert: {e}"));
-    let value = serde_json::to_value(meta).map_err(|e| bad(&e))?;
-    pythonize::pythonize(py, &value).map_err(|e| bad(&e))
-}
-
-/// Metadata from a dict as [`meta_to_py`] makes it; the error names the missing or mistyped field.
+/// Metadata from a dict as `decode_meta` returns it (the JSON data model: lists for tuples, a list of ints
+/// for the opaque NIXL bytes); the error names the missing or mistyped field.
 pub fn meta_from_py(obj: &Bound<'_, PyAny>) -> Result<AgentMeta, String> {
     let value: serde_json::Value = pythonize::depythonize(obj).map_err(|e| e.to_string())?;
     serde_json::from_value(value).map_err(|e| e.to_string())
@@ -66,7 +60,7 @@ pub fn encode_meta<'py>(py: Python<'py>, meta: &Bound<'py, PyAny>) -> PyResult<B
 pub fn decode_meta<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     let data = data.to_vec();
     let meta = py.detach(move || decode_payload(&data))?;
-    Ok(meta_to_py(py, &meta)?)
+    Ok(to_py(py, &meta, "metadata")?)
 }
 
 /// Geometry fingerprint (hex SHA-256 of the TP-invariant region geometry) of wire bytes.

@@ -10,6 +10,8 @@ mod arrays;
 #[cfg(feature = "python")]
 mod check;
 #[cfg(feature = "python")]
+mod convert;
+#[cfg(feature = "python")]
 mod handshake;
 #[cfg(feature = "python")]
 mod ids;

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use super::arrays::{flat_descs, u64_matrix};
 use pyo3::types::{PyBytes, PyDict};
 
+use super::convert::to_py;
 use super::errors::{no_panic, Error, Kind};
 use super::handshake::{check_peers, decode_payload, meta_from_py};
 use super::ids::block_ids;
@@ -439,7 +440,8 @@ impl PyPlan {
     }
 }
 
-/// Build and plan a whole scenario (see `docs/scenario.md`) and return the report as JSON.
+/// Build and plan a whole scenario (see `docs/scenario.md`) and return the report as a dict (what its JSON
+/// holds: `mode`, `local_side`, `tp`, `requests` with every rank's transfers, ids, bytes and moves).
 ///
 /// Args:
 ///     scenario_json (str): the scenario.
@@ -450,16 +452,20 @@ impl PyPlan {
 ///     LayoutError: a rank's layout is invalid.
 #[pyfunction]
 #[pyo3(signature = (scenario_json, *, moves = true, coalesce = true))]
-pub fn plan_scenario(py: Python<'_>, scenario_json: &str, moves: bool, coalesce: bool) -> PyResult<String> {
+pub fn plan_scenario<'py>(
+    py: Python<'py>,
+    scenario_json: &str,
+    moves: bool,
+    coalesce: bool,
+) -> PyResult<Bound<'py, PyAny>> {
     let text = scenario_json.to_owned();
-    let out = no_panic(Kind::Plan, || {
-        let r = py.detach(move || -> Result<_, ScenarioError> {
+    let r = no_panic(Kind::Plan, || {
+        Ok(py.detach(move || -> Result<_, ScenarioError> {
             let dep = Deployment::build_with(&Scenario::from_json(&text)?, coalesce)?;
             report(&dep, moves)
-        })?;
-        serde_json::to_string(&r).map_err(|e| Error::internal(format!("the plan report does not serialize: {e}")))
+        })?)
     })?;
-    Ok(out)
+    Ok(to_py(py, &r, "the plan report")?)
 }
 
 /// The remote ranks a local rank handshakes and exchanges data with: the one remote rank

@@ -19,9 +19,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, given in (("--compact", args.compact), ("--no-moves", args.no_moves)):
         if given and not args.json:
             raise CliError(f"{flag} only applies to --json output; add --json or drop {flag}")
-    report: dict[str, Any] = json.loads(
-        plan_scenario(read_scenario(args.scenario), moves=args.json and not args.no_moves)
-    )
+    report = plan_scenario(read_scenario(args.scenario), moves=args.json and not args.no_moves)
     if args.json:
         print(json.dumps(report, indent=None if args.compact else 2))
         return 0
