@@ -297,36 +297,45 @@ def test_failed_handshake_fails_exactly_its_request(model_dirs: dict[str, str], 
         d.close()
 
 
+def _two_prefills_one_killed(
+    model_dirs: dict[str, str], model: str, d_tp: int, d_extra: tuple[tuple[str, Any], ...] = ()
+) -> tuple[Engine, Engine, Engine, Outputs, list[Any]]:
+    """Prefill engines A and B (TP 1) and a decode engine: each prefill moves one request (handshakes done),
+    then prefills another, B's worker is killed, and the decode schedules both new requests (``d-a1`` from A,
+    ``d-b1`` from B) in one step and runs until both finished. Returns the engines, the decode's outputs spy
+    and the verify arguments of the first round."""
+    a_port, b_port, d_port = _ports(3)
+    a = Engine.start(EngineSpec("prefill-a", model, model_dirs[model], 1, "pull", a_port))
+    b = Engine.start(EngineSpec("prefill-b", model, model_dirs[model], 1, "pull", b_port))
+    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, "pull", d_port, extra=d_extra))
+    outputs = Outputs(d)
+    pa = _prefill(a, ["a-0"], [300], 0)
+    pb = _prefill(b, ["b-0"], [517], 1)
+    d.add("d-a0", prompt(0, 300), pa["a-0"], 0)
+    d.add("d-b0", prompt(1, 517), pb["b-0"], 1)
+    run_until([a, b, d], lambda: {"d-a0", "d-b0"} <= set(d.outputs) and a.idle() and b.idle())
+    first = _checks(a.spec, d, ["d-a0", "d-b0"], {"d-a0": 0, "d-b0": 1})
+    pa = _prefill(a, ["a-1"], [517], 2)
+    pb = _prefill(b, ["b-1"], [300], 3)
+    d.workers.call("mark")  # what landed so far is the baseline: the rest must be exactly a-1
+    _signal(b, signal.SIGKILL)
+    for proc in b.workers.procs:
+        proc.join(10)
+        assert not proc.is_alive()
+    d.add("d-a1", prompt(2, 517), pa["a-1"], 2)
+    d.add("d-b1", prompt(3, 300), pb["b-1"], 3)
+    return a, b, d, outputs, first
+
+
 def test_prefill_killed_fails_exactly_its_request(model_dirs: dict[str, str]) -> None:
-    """Two prefill engines (TP 1) and one decode engine (TP 2), Kimi-Linear, pull. Both prefill engines
-    first move a request (handshakes done); then each prefills another, prefill B's worker is killed, and
-    the decode schedules both in one step: B's request fails (finished with an error, vLLM's default
-    policy) and wrote nothing, A's lands byte-exact; the failure is counted in the stats and Prometheus."""
+    """Kimi-Linear (several KV-cache groups, so failures are whole requests: ``failed_recving``), prefill
+    TP 1 -> decode TP 2, pull: B's request fails (finished with an error, vLLM's default policy) and wrote
+    nothing, A's request of the same step lands byte-exact; the failure is counted in the stats and in
+    Prometheus."""
     from vllm.v1.engine import FinishReason
 
-    a_port, b_port, d_port = _ports(3)
-    a = Engine.start(EngineSpec("prefill-a", "kimi", model_dirs["kimi"], 1, "pull", a_port))
-    b = Engine.start(EngineSpec("prefill-b", "kimi", model_dirs["kimi"], 1, "pull", b_port))
-    d = Engine.start(
-        EngineSpec("decode", "kimi", model_dirs["kimi"], 2, "pull", d_port, extra=(("transfer_timeout_s", 10.0),))
-    )
-    outputs = Outputs(d)
+    a, b, d, outputs, first = _two_prefills_one_killed(model_dirs, "kimi", 2, (("transfer_timeout_s", 10.0),))
     try:
-        pa = _prefill(a, ["a-0"], [300], 0)
-        pb = _prefill(b, ["b-0"], [517], 1)
-        d.add("d-a0", prompt(0, 300), pa["a-0"], 0)
-        d.add("d-b0", prompt(1, 517), pb["b-0"], 1)
-        run_until([a, b, d], lambda: {"d-a0", "d-b0"} <= set(d.outputs) and a.idle() and b.idle())
-        first = _checks(a.spec, d, ["d-a0", "d-b0"], {"d-a0": 0, "d-b0": 1})
-        pa = _prefill(a, ["a-1"], [517], 2)
-        pb = _prefill(b, ["b-1"], [300], 3)
-        d.workers.call("mark")  # what landed so far is the baseline: the rest must be exactly a-1
-        _signal(b, signal.SIGKILL)
-        for proc in b.workers.procs:
-            proc.join(10)
-            assert not proc.is_alive()
-        d.add("d-a1", prompt(2, 517), pa["a-1"], 2)
-        d.add("d-b1", prompt(3, 300), pb["b-1"], 3)
         run_until([a, d], lambda: {"d-a1", "d-b1"} <= set(d.outputs) and a.idle(), timeout_s=90)
         assert outputs.finish["d-b1"] == FinishReason.ERROR
         assert outputs.finish["d-a1"] != FinishReason.ERROR
@@ -340,4 +349,75 @@ def test_prefill_killed_fails_exactly_its_request(model_dirs: dict[str, str]) ->
     finally:
         a.close()
         b.close()
+        d.close()
+
+
+def test_prefill_killed_single_group_reports_exact_blocks(model_dirs: dict[str, str]) -> None:
+    """A pure-MLA model (one KV-cache group: failures are block ids, ``get_block_ids_with_load_errors``),
+    TP 1 everywhere, ``kv_load_failure_policy`` "recompute": the invalid blocks reported are exactly
+    ``d-b1``'s blocks, vLLM's scheduler resets its ``num_computed_tokens`` to its first invalid block (block
+    0: nothing of it landed) and recomputes it locally; ``d-a1`` lands byte-exact in the same step."""
+    from vllm.v1.engine import FinishReason
+
+    a, b, d, outputs, _ = _two_prefills_one_killed(model_dirs, "mla", 1, (("transfer_timeout_s", 10.0),))
+    d.vc.kv_transfer_config.kv_load_failure_policy = "recompute"
+    d.scheduler.recompute_kv_load_failures = True  # what Scheduler.__init__ derives from the policy
+    try:
+        invalid: list[set[int]] = []
+        orig = d.scheduler.update_from_output
+
+        def spy(so: Any, mro: Any) -> Any:
+            kv = mro.kv_connector_output
+            if kv is not None and kv.invalid_block_ids:
+                invalid.append(set(kv.invalid_block_ids))
+                (blocks_b1,) = d.scheduler.kv_cache_manager.get_block_ids("d-b1")
+                (blocks_a1,) = d.scheduler.kv_cache_manager.get_block_ids("d-a1")
+                assert set(kv.invalid_block_ids) == set(blocks_b1) and not set(blocks_a1) & set(blocks_b1)
+            res = orig(so, mro)
+            if kv is not None and kv.invalid_block_ids:
+                req = d.scheduler.requests["d-b1"]
+                assert req.num_computed_tokens == 0  # block 0 is its first invalid block
+                assert "d-b1" in d.scheduler.failed_recving_kv_req_ids
+            return res
+
+        d.scheduler.update_from_output = spy
+        run_until([a, d], lambda: {"d-a1", "d-b1"} <= set(d.outputs) and a.idle(), timeout_s=90)
+        assert len(invalid) == 1
+        assert outputs.finish["d-a1"] != FinishReason.ERROR and outputs.finish["d-b1"] != FinishReason.ERROR
+        assert any(s.get("d-b1") == 300 for s in outputs.scheduled)  # recomputed from token 0
+        _verify(d, _checks(a.spec, d, ["d-a1"], {"d-a1": 2}))
+        assert _series(d)["num_failed_transfers"] == 1
+    finally:
+        a.close()
+        b.close()
+        d.close()
+
+
+def test_expired_lease_is_a_load_failure(model_dirs: dict[str, str]) -> None:
+    """Kimi-Linear, prefill TP 1 (lease 6 s) -> decode TP 2, pull. A request the decode schedules only after
+    the prefill's lease on its blocks expired (the prefill freed them, so they may hold another request's KV)
+    fails instead of landing whatever the blocks hold now: vLLM's default policy finishes it with an error. A
+    fresh request of the same step lands byte-exact; the prefill counted one expired lease."""
+    from vllm.v1.engine import FinishReason
+
+    p_port, d_port = _ports(2)
+    p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "pull", p_port, extra=(("lease_s", 6.0),)))
+    d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 2, "pull", d_port))
+    outputs = Outputs(d)
+    try:
+        old = _prefill(p, ["p-old"], [517], 0)["p-old"]
+        assert old["lease_expires_at"] > time.time()
+        run_until([p], lambda: "p-old" not in p.scheduler.requests, timeout_s=30)  # freed by lease expiry
+        assert sum(s["num_expired_leases"] for s in p.stats) == 1
+        new = _prefill(p, ["p-new"], [300], 1)["p-new"]
+        d.add("d-old", prompt(0, 517), old, 0)
+        d.add("d-new", prompt(1, 300), new, 1)
+        run_until([p, d], lambda: {"d-old", "d-new"} <= set(d.outputs) and p.idle())
+        assert outputs.finish["d-old"] == FinishReason.ERROR
+        assert outputs.finish["d-new"] != FinishReason.ERROR
+        checks = _checks(p.spec, d, ["d-new"], {"d-new": 1})
+        _verify(d, checks)  # d-new landed; d-old read nothing
+        _check_metrics(d, [kv_bytes(d.spec, r, checks[0]) for r in range(d.spec.tp)], failed=d.spec.tp)
+    finally:
+        p.close()
         d.close()

@@ -26,6 +26,9 @@ class RecvReq:
     remote_host: str
     remote_port: int
     remote_tp_size: int
+    # wall-clock time (``time.time()``) after which the prefill engine may free the remote blocks (its lease);
+    # a read that ends later (less ``LEASE_MARGIN_S``) may have read reused blocks and counts as failed
+    lease_expires_at: float | None = None
 
 
 @dataclass

@@ -4,12 +4,14 @@ engine (with a lease), and the ``kv_transfer_params`` the two engines (through a
 ``kv_transfer_params`` use vLLM's NixlConnector fields: ``do_remote_prefill``/``do_remote_decode``,
 ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids`` (one list per transfer group, HMA),
 ``remote_host``/``remote_port`` (the side channel of TP rank 0 of that engine; rank ``r`` listens on
-``port + r``), ``tp_size``, ``remote_num_tokens`` and ``transfer_mode``.
+``port + r``), ``tp_size``, ``remote_num_tokens`` and ``transfer_mode``; plus ``lease_expires_at`` (the
+wall-clock time after which the prefill engine may free the blocks: a decode read ending later is a failure).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -25,6 +27,14 @@ __all__ = ["SchedulerHalf"]
 log = logging.getLogger("hybrid_kv.integrations.vllm.scheduler")
 
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
+
+
+def _lease_expiry(value: Any) -> float | None:
+    """``lease_expires_at`` from a peer's ``kv_transfer_params`` (untrusted): a finite number, else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    out = float(value)
+    return out if math.isfinite(out) else None
 
 
 class SchedulerHalf:
@@ -133,6 +143,7 @@ class SchedulerHalf:
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
             remote_tp_size=int(params["tp_size"]),
+            lease_expires_at=_lease_expiry(params.get("lease_expires_at")),
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> HybridKvMetadata:
@@ -175,6 +186,8 @@ class SchedulerHalf:
                 "remote_port": self.port,
                 "tp_size": self.tp_size,
                 "remote_num_tokens": int(request.num_computed_tokens),
+                # the workers' leases start when they receive this step's metadata, i.e. no earlier
+                "lease_expires_at": time.time() + self.cfg.lease_s if delay else None,
                 "transfer_mode": self.cfg.mode,
             }
         finally:

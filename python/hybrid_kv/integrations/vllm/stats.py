@@ -21,7 +21,10 @@ __all__ = ["SERIES", "COUNTERS", "HybridKvPromMetrics", "HybridKvStats"]
 
 SERIES = ("xfer_time_s", "post_time_s", "bytes", "descriptors", "ids")
 COUNTERS = ("num_failed_transfers", "num_failed_handshakes", "num_expired_leases")
-TIMERS = ("scheduler_s", "worker_s")  # Python time spent in the connector's hooks (for overhead reports)
+# Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
+# parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
+# side-channel round trip each), ``Endpoint.poll`` (NIXL progress and notifications)
+TIMERS = ("scheduler_s", "worker_s", "worker_post_s", "worker_control_s", "worker_poll_s")
 
 
 def _empty() -> dict[str, Any]:

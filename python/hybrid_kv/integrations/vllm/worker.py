@@ -40,6 +40,11 @@ __all__ = ["WorkerHalf"]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 
+LEASE_MARGIN_S = 1.0
+"""Pull: a read must end this long before the prefill's ``lease_expires_at`` (wall clock, so it also absorbs
+clock skew between hosts up to this much); a read ending later may have read blocks the prefill engine had
+already freed and reused, and fails (vLLM then applies its ``kv_load_failure_policy``)."""
+
 
 def _row_index(rows: npt.NDArray[np.uint64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     counts = np.ones(rows.shape[0], dtype=np.int64) if rows.shape[1] == 3 else rows[:, 4].astype(np.int64)
@@ -73,6 +78,12 @@ class _Inflight:
     ids: int  # descriptor ids handed to NIXL (before its merge of ids consecutive on both sides)
     local_ids: BlockIds = field(default_factory=list)
     release: list[tuple[str, bytes]] = field(default_factory=list)  # (address, control) to send when it ends
+    lease_expires_at: float | None = None  # pull: the prefill's lease on the blocks read (wall clock)
+
+
+def _lease_over(expires_at: float | None) -> bool:
+    """Whether a prefill lease ending at ``expires_at`` (wall clock) is over, less ``LEASE_MARGIN_S``."""
+    return expires_at is not None and time.time() > expires_at - LEASE_MARGIN_S
 
 
 def _remote_tables(plan: PeerPlan, rank: int) -> Any:
@@ -333,17 +344,30 @@ class WorkerHalf:
             self.finished_recving.add(req.request_id)
             self._send_controls(link.ep, releases)
             return
+        if _lease_over(req.lease_expires_at):
+            raise TransferError(f"the prefill engine's lease on {req.remote_request_id!r} expired before the read")
         self._post(req.request_id, "recv", link, transfers, "READ", self.cfg.transfer_timeout_s, req.local_block_ids)
-        self.inflight[req.request_id].release = releases
+        job = self.inflight[req.request_id]
+        job.release = releases
+        job.lease_expires_at = req.lease_expires_at
 
     def _post(
         self, rid: str, role: str, link: _Link, transfers: list[Transfer], op: Any, timeout: float, ids: BlockIds
     ) -> None:
+        t0 = time.perf_counter()
         handle = link.ep.post(rid, transfers, op, timeout)
+        self.stats.add_time("worker_post_s", time.perf_counter() - t0)
         nids = sum(int(t.local_ids.size) for t in transfers)
         self.inflight[rid] = _Inflight(rid, role, link, transfers, time.perf_counter(), handle, nids, ids)
 
     def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._send_controls_now(ep, messages)
+        finally:
+            self.stats.add_time("worker_control_s", time.perf_counter() - t0)
+
+    def _send_controls_now(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
         for address, payload in messages:
             try:
                 ep.send_control(address, payload, self.cfg.handshake_timeout_s)
@@ -497,7 +521,9 @@ class WorkerHalf:
         self._poll_handshakes()
         eps = ([self.server] if self.server is not None else []) + [lk.ep for lk in self.links.values()]
         for ep in eps:
+            t0 = time.perf_counter()
             ev = ep.poll()
+            self.stats.add_time("worker_poll_s", time.perf_counter() - t0)
             for c in ev.control:
                 self._on_control(c.sender, c.payload)
             for rid in ev.done:
@@ -528,10 +554,12 @@ class WorkerHalf:
         job = self.inflight.pop(key, None)
         if job is None:
             return
-        if job.handle is not None:  # NIXL's telemetry of what completed (all of it when err is None)
+        if err is None and job.role == "recv" and _lease_over(job.lease_expires_at):
+            # the bytes may come from blocks the prefill engine freed and reused: not a valid load
+            err = TransferError(f"read of {job.request_id!r} ended after the prefill engine's lease expired")
+        if err is None and job.handle is not None:  # NIXL's telemetry of the request's transfers
             tel = job.handle.stats
-            if err is None:
-                self.stats.record_transfer(tel.bytes, tel.descriptors, job.ids, tel.post_s, tel.transfer_s)
+            self.stats.record_transfer(tel.bytes, tel.descriptors, job.ids, tel.post_s, tel.transfer_s)
         if job.role == "recv":
             if err is None:
                 self.finished_recving.add(job.request_id)
