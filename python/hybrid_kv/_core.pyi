@@ -22,8 +22,9 @@ class HandshakeError(HybridKvError):
     """A peer's metadata is malformed or incompatible."""
 
     findings: Sequence[tuple[str, str, str, str]]
-    """The failed checks ``(check, local, remote, detail)`` where ``validate_handshake`` (or the transport's
-    ``Endpoint.connect`` after it) raised the error; empty for every other handshake error."""
+    """The failed checks ``(check, local, remote, detail)`` where ``validate_handshake``,
+    ``PeerPlan(..., own_payload=...)`` or the transport's ``Endpoint.connect`` after a validation raised the
+    error; empty for every other handshake error."""
 
 class TransferError(HybridKvError):
     """A NIXL transfer failed, timed out or was refused (raised by the Python transport)."""
