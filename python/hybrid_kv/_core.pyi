@@ -213,9 +213,9 @@ def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = Tr
     """Build and plan a whole scenario; returns the report as a dict (what its JSON holds). Raises ``PlanError``
     / ``LayoutError``."""
 
-def check_scenario(scenario_json: str, *, coalesce: bool = True, ranks: bool = False) -> str:
+def check_scenario(scenario_json: str, *, coalesce: bool = True, ranks: bool = False) -> dict[str, Any]:
     """Handshake-check every rank pair of a scenario and plan its requests on every rank whose pairs pass; returns
-    the verdict report as JSON (``pairs`` with findings, ``summary``; with ``ranks`` every rank's regions, tables,
+    the verdict report as a dict (``pairs`` with findings, ``summary``; with ``ranks`` every rank's regions, tables,
     peers and request costs). ``coalesce=False`` checks the reference plans. Raises ``PlanError`` /
     ``LayoutError`` when the scenario is malformed or an engine cannot be built."""
 

@@ -158,7 +158,7 @@ def preflight(
     )
     for side in ("prefill", "decode"):
         scenario[side]["num_blocks"] = blocks[side]  # each pool sized by its own page
-    checked: dict[str, Any] = json.loads(check_scenario(json.dumps(scenario), coalesce=coalesce, ranks=True))
+    checked = check_scenario(json.dumps(scenario), coalesce=coalesce, ranks=True)
     report.ranks = [_rank_report(r) for r in checked.get("ranks", [])]
     report.reasons = list(checked["reasons"])
     report.compatible = bool(checked["compatible"])

@@ -1,13 +1,15 @@
-//! `check_scenario` for Python: a scenario's deployment validated pair by pair, returned as JSON.
+//! `check_scenario` for Python: a scenario's deployment validated pair by pair, returned as a dict.
 
 use pyo3::prelude::*;
 
-use super::errors::{no_panic, Error, Kind};
+use super::convert::to_py;
+use super::errors::{no_panic, Kind};
 use crate::core::scenario::{Scenario, ScenarioError};
 use crate::core::scenario_check::check_scenario_with;
 
 /// Build every rank of a scenario (see `docs/scenario.md`), run the handshake checks on every rank pair,
-/// plan the requests on every local rank whose pairs all pass, and return the verdict report as JSON.
+/// plan the requests on every local rank whose pairs all pass, and return the verdict report as a dict (what
+/// `hybrid-kv check SCENARIO --json` prints).
 ///
 /// The report has `pairs` (prefill/decode/local/remote rank, `verdict`, `findings` as objects with `check`,
 /// `local`, `remote` and `detail`) and a `summary` whose `compatible` is true only when every pair is.
@@ -23,13 +25,17 @@ use crate::core::scenario_check::check_scenario_with;
 ///     LayoutError: a rank's layout is invalid.
 #[pyfunction]
 #[pyo3(signature = (scenario_json, *, coalesce = true, ranks = false))]
-pub fn check_scenario(py: Python<'_>, scenario_json: &str, coalesce: bool, ranks: bool) -> PyResult<String> {
+pub fn check_scenario<'py>(
+    py: Python<'py>,
+    scenario_json: &str,
+    coalesce: bool,
+    ranks: bool,
+) -> PyResult<Bound<'py, PyAny>> {
     let text = scenario_json.to_owned();
-    let out = no_panic(Kind::Plan, || {
-        let r = py.detach(move || -> Result<_, ScenarioError> {
+    let r = no_panic(Kind::Plan, || {
+        Ok(py.detach(move || -> Result<_, ScenarioError> {
             check_scenario_with(&Scenario::from_json(&text)?, coalesce, ranks)
-        })?;
-        serde_json::to_string(&r).map_err(|e| Error::internal(format!("the check report does not serialize: {e}")))
+        })?)
     })?;
-    Ok(out)
+    Ok(to_py(py, &r, "the check report")?)
 }

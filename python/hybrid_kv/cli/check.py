@@ -106,7 +106,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     """
     from .._core import check_scenario
 
-    report: dict[str, Any] = json.loads(check_scenario(read_scenario(args.scenario)))
+    report = check_scenario(read_scenario(args.scenario))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
