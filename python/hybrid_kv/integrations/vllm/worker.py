@@ -131,6 +131,8 @@ class WorkerHalf:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-handshake-{self.name}")
         self._handshakes: dict[str, Future[_Link]] = {}
         self._waiting: dict[str, list[tuple[float, RecvReq | str]]] = {}  # engine -> (deadline, request)
+        # control messages (releases, push registrations and plans) go out on their own thread, in order
+        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-control-{self.name}")
 
     # ------------------------------------------------------------------ registration
 
@@ -249,7 +251,7 @@ class WorkerHalf:
             )
             self._handshakes[engine_id] = self._executor.submit(self._handshake, engine_id, host, port, tp_size)
         waiting = self._waiting.setdefault(engine_id, [])
-        if all(j is not job for _, j in waiting):
+        if all(j != job for _, j in waiting):
             waiting.append((time.monotonic() + self.cfg.transfer_timeout_s, job))
         return None
 
@@ -361,17 +363,19 @@ class WorkerHalf:
         self.inflight[rid] = _Inflight(rid, role, link, transfers, time.perf_counter(), handle, nids, ids)
 
     def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
+        """Queue control messages for the control thread: each is a side-channel round trip (up to
+        ``handshake_timeout_s`` with a slow peer), which no step waits for. One thread keeps their order."""
         t0 = time.perf_counter()
-        try:
-            self._send_controls_now(ep, messages)
-        finally:
-            self.stats.add_time("worker_control_s", time.perf_counter() - t0)
+        if messages:
+            self._control_pool.submit(self._send_controls_now, ep, messages)
+        self.stats.add_time("worker_control_s", time.perf_counter() - t0)
 
     def _send_controls_now(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
+        """Deliver ``messages`` (control thread); a failure is logged, never raised (the lease covers it)."""
         for address, payload in messages:
             try:
                 ep.send_control(address, payload, self.cfg.handshake_timeout_s)
-            except TransferError as exc:
+            except Exception as exc:  # noqa: BLE001 - a lost control message only delays a free until the lease
                 log.warning("hybrid-kv %s: control message to %s failed: %s", self.name, address, exc)
 
     # ------------------------------------------------------------------ push
@@ -593,6 +597,7 @@ class WorkerHalf:
     def shutdown(self) -> None:
         """Close every endpoint; a handshake still running is awaited (it has deadlines) and its link closed."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._control_pool.shutdown(wait=True, cancel_futures=True)  # the one being sent has a deadline
         for fut in self._handshakes.values():
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 fut.result().ep.close()
