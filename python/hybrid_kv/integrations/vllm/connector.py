@@ -29,7 +29,7 @@ __all__ = ["HybridKvConnector"]
 log = logging.getLogger("hybrid_kv.integrations.vllm")
 
 
-class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):
+class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]  # vLLM is untyped where it is not installed
     """A KV connector for disaggregated prefill/decode built on hybrid-kv's planner and NIXL transport."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:

@@ -32,7 +32,7 @@ class RecvReq:
 
 
 @dataclass
-class HybridKvMetadata(KVConnectorMetadata):
+class HybridKvMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # vLLM is untyped where it is not installed
     """One step's work for the workers.
 
     ``recv``: decode requests to load. ``send``: prefill requests whose blocks are now leased to a decode

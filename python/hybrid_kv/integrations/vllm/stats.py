@@ -32,7 +32,7 @@ def _empty() -> dict[str, Any]:
 
 
 @dataclass
-class HybridKvStats(KVConnectorStats):
+class HybridKvStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]  # vLLM is untyped where it is not installed
     """Observations since the last ``get_kv_connector_stats()`` (serializable: ``data`` is plain lists/numbers)."""
 
     data: dict[str, Any] = field(default_factory=_empty)
@@ -99,7 +99,7 @@ class HybridKvStats(KVConnectorStats):
         return out
 
 
-class HybridKvPromMetrics(KVConnectorPromMetrics):
+class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ignore]  # vLLM is untyped where it is not installed
     """``vllm:hybrid_kv_*`` histograms and counters, one child per engine label set."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
