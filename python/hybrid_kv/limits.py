@@ -8,6 +8,6 @@ __all__ = ["MAX_BLOCK_TOKENS", "MAX_NUM_BLOCKS", "MAX_TP_SIZE"]
 MAX_TP_SIZE = 1024
 """Largest TP size (``MAX_TP_SIZE`` in ``rust/core/tp.rs``; TP mappings allocate per rank)."""
 MAX_NUM_BLOCKS = 2**31 - 1
-"""Most logical blocks in a pool: descriptor ids are int32 (``MAX_NUM_BLOCKS`` in ``rust/core/scenario_bounds.rs``)."""
+"""Most logical blocks in a pool: descriptor ids are int32 (``MAX_NUM_BLOCKS`` in ``rust/core/scenario/bounds.rs``)."""
 MAX_BLOCK_TOKENS = 2**20
-"""Largest logical or kernel block in tokens (``MAX_BLOCK_TOKENS`` in ``rust/core/scenario_bounds.rs``)."""
+"""Largest logical or kernel block in tokens (``MAX_BLOCK_TOKENS`` in ``rust/core/scenario/bounds.rs``)."""

@@ -18,7 +18,7 @@
 //! since ids index the flat expansion in row order. Every chunk row has `len == stride`.
 //!
 //! The planner walks a group's paired local and remote units (found on the logical block ids, in
-//! `plan_runs.rs`) and, where both are consecutive and the region is dense on *both* sides, cuts each
+//! `plan/runs.rs`) and, where both are consecutive and the region is dense on *both* sides, cuts each
 //! maximal run into equal chunks of the largest `2^j` dividing its length (same `j` on both sides, so pairs
 //! keep equal lengths). The chunk ids of one run are consecutive in one row on both sides, so NIXL merges
 //! them into one descriptor, as it merges the run's plain ids: never more descriptors than the reference
@@ -32,8 +32,8 @@
 
 use super::descs::{DescTable, StridedRow};
 use super::error::LayoutError;
+use super::plan::remote::hosts_attention;
 use super::region::RegionTable;
-use super::remote::hosts_attention;
 use super::state_rows::with_state_rows;
 
 /// Largest chunk is `2^MAX_CHUNK_LOG2` = 64 units.

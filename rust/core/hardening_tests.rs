@@ -6,7 +6,7 @@ use super::adversary::{cases, Case};
 use super::handshake::{decode, encode, findings, Expected, HandshakeError};
 use super::meta::AgentMeta;
 use super::plan::PeerPlan;
-use super::plan_error::{PlanError, Side};
+use super::plan::{PlanError, Side};
 use super::tp::{handshake_target_ranks, TpMapping, MAX_TP_SIZE};
 
 /// Kimi-shaped hybrid, decode TP 1 pulling from prefill TP 2 (valid as built).

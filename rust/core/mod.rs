@@ -10,24 +10,13 @@ pub mod layout;
 pub mod meta;
 pub mod plan;
 pub mod plan_bytes;
-mod plan_emit;
-pub mod plan_error;
-mod plan_ids;
-mod plan_routes;
-mod plan_runs;
 pub mod ratio;
 pub mod region;
-pub mod remote;
 pub mod scenario;
-pub mod scenario_bounds;
-pub mod scenario_check;
 pub mod scenario_ranks;
-pub mod scenario_report;
 pub mod spec;
-pub mod split;
 pub mod state_rows;
 pub mod tp;
-pub mod trim;
 pub mod units;
 
 pub use descs::{DescTable, StridedRow};
@@ -40,16 +29,8 @@ pub mod fixtures;
 mod natural;
 
 #[cfg(test)]
-mod coalesce_tests;
-#[cfg(test)]
 mod hardening_tests;
 #[cfg(test)]
 mod oracle_tests;
 #[cfg(test)]
-mod plan_tests;
-#[cfg(test)]
 mod region_tests;
-#[cfg(test)]
-mod scenario_check_tests;
-#[cfg(test)]
-mod scenario_tests;

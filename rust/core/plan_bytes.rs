@@ -4,8 +4,8 @@
 //! NumPy and expanded strided rows itself): the core already knows every table, so it answers.
 
 use super::descs::{DescTable, StridedRow};
+use super::plan::PlanError;
 use super::plan::{PeerPlan, RankTransfer, TableKey};
-use super::plan_error::PlanError;
 
 /// Most descriptors a table read from rows may have: NIXL indexes descriptors with int32.
 pub const MAX_ROW_DESCS: u64 = i32::MAX as u64;

@@ -4,8 +4,8 @@
 
 use serde::Serialize;
 
+use super::plan::PlanError;
 use super::plan::{PeerPlan, Plan};
-use super::plan_error::PlanError;
 use super::scenario::RankState;
 
 /// Rows and descriptors (once expanded) of one local table of a peer plan.
@@ -119,10 +119,10 @@ pub fn link_peer(costs: &mut [RankCost], local_role: &str, local: u32, remote: u
 
 #[cfg(test)]
 mod tests {
+    use super::super::scenario::check::check_scenario_with;
+    use super::super::scenario::report::report;
     use super::super::scenario::Deployment;
     use super::super::scenario::Scenario;
-    use super::super::scenario_check::check_scenario_with;
-    use super::super::scenario_report::report;
 
     const KIMI_PUSH: &str = include_str!("../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
     const GQA_PULL: &str = include_str!("../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");

@@ -5,7 +5,7 @@
 //! rank reads from; in push mode the same mapping, computed from the prefill rank's view, names the decode
 //! ranks it writes to.
 
-use super::plan_error::{PlanError, Side};
+use super::plan::{PlanError, Side};
 use super::ratio::tp_ratio;
 use super::region::GroupKind;
 

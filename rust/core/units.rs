@@ -6,7 +6,7 @@
 //! a larger kernel block on either side works, in pull and in push. Attention pages are only cut where a
 //! byte range is a token range (MLA latents, or one head per rank); SSM states are never cut.
 
-use super::plan_error::PlanError;
+use super::plan::PlanError;
 
 /// Largest number of units one kernel block may be cut into (vLLM gives up above 128 as well).
 pub const MAX_UNITS_PER_BLOCK: u64 = 128;

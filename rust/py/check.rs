@@ -4,8 +4,8 @@ use pyo3::prelude::*;
 
 use super::convert::to_py;
 use super::errors::{no_panic, Kind};
+use crate::core::scenario::check::check_scenario_with;
 use crate::core::scenario::{Scenario, ScenarioError};
-use crate::core::scenario_check::check_scenario_with;
 
 /// Build every rank of a scenario (see `docs/scenario.md`), run the handshake checks on every rank pair,
 /// plan the requests on every local rank whose pairs all pass, and return the verdict report as a dict (what

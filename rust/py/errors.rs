@@ -21,7 +21,7 @@
 #![cfg_attr(not(feature = "python"), allow(dead_code))]
 
 use crate::core::handshake::{Finding, HandshakeError as CoreHandshakeError};
-use crate::core::plan_error::PlanError as CorePlanError;
+use crate::core::plan::PlanError as CorePlanError;
 use crate::core::scenario::ScenarioError;
 use crate::core::LayoutError as CoreLayoutError;
 
@@ -268,7 +268,7 @@ mod python {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::plan_error::Side;
+    use crate::core::plan::Side;
 
     fn layout() -> CoreLayoutError {
         CoreLayoutError::KernelBlockNotDividing { kernel: 5, logical: 12 }

@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::errors::Error;
-use crate::core::scenario_bounds::MAX_GROUPS;
+use crate::core::scenario::bounds::MAX_GROUPS;
 
 /// Most block ids one group of one request may list (16M blocks: far more than any pool's contexts need).
 pub const MAX_IDS_PER_GROUP: usize = 1 << 24;

@@ -16,8 +16,8 @@ use super::ids::block_ids;
 use super::region::PyRegionTable;
 use crate::core::handshake::Expected;
 use crate::core::plan::{PeerPlan, TableKey};
+use crate::core::scenario::report::report;
 use crate::core::scenario::{Deployment, Scenario, ScenarioError};
-use crate::core::scenario_report::report;
 use crate::core::tp::MAX_TP_SIZE;
 use crate::core::{AgentMeta, TransferMode};
 

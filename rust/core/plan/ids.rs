@@ -1,9 +1,9 @@
 //! Descriptor-id arithmetic of a peer plan: each side's id geometry and the unit expansion of a window of
 //! logical block ids (the per-request hot path; no sorting or hashing).
 
-use super::plan_error::{PlanError, Side};
-use super::region::GroupKind;
+use super::error::{PlanError, Side};
 use super::trim::Window;
+use crate::core::region::GroupKind;
 
 /// Descriptor-id geometry of one side.
 #[derive(Debug, Clone)]

@@ -1,12 +1,12 @@
 //! Which remote ranks a local rank exchanges each group with, and through which local table (pull follows
 //! vLLM's mapping; push writes attention to every covered decode rank, once per head).
 
-use super::meta::TransferMode;
-use super::plan::TableKey;
-use super::region::{GroupKind, RegionTable};
 use super::remote::hosts_attention;
 use super::split::Piece;
-use super::tp::TpMapping;
+use super::TableKey;
+use crate::core::meta::TransferMode;
+use crate::core::region::{GroupKind, RegionTable};
+use crate::core::tp::TpMapping;
 
 /// Which groups one remote rank exchanges, through which local table.
 #[derive(Debug, Clone)]

@@ -7,15 +7,24 @@
 //! state when it has no attention sharer; SSM sharers are padded to it. Addresses are synthetic: each rank's
 //! tensors are laid out back to back (4 KiB aligned, with a 4 KiB gap), prefill and decode far apart.
 
+pub mod bounds;
+pub mod check;
+pub mod report;
+
+#[cfg(test)]
+mod check_tests;
+#[cfg(test)]
+mod tests;
+
 use serde::{Deserialize, Serialize};
 
+use self::bounds::check_bounds;
 use super::error::LayoutError;
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
 use super::meta::{AgentMeta, EngineInfo, TransferMode};
+use super::plan::PlanError;
 use super::plan::{PeerPlan, Plan};
-use super::plan_error::PlanError;
 use super::region::RegionTable;
-use super::scenario_bounds::check_bounds;
 use super::spec::{AttentionSpec, LayerSpec, MambaKind, MlaSpec, SsmSpec};
 use super::tp::handshake_target_ranks;
 
@@ -143,7 +152,7 @@ pub enum ScenarioError {
     /// A value the scenario format forbids.
     #[error("scenario: {0}")]
     Invalid(String),
-    /// A count or size over its bound (see `scenario_bounds`), refused before it sizes anything.
+    /// A count or size over its bound (see `bounds.rs`), refused before it sizes anything.
     #[error("scenario: {field} is {value}, over the limit of {limit}")]
     OverLimit {
         /// The field (a JSON path, with what was counted).

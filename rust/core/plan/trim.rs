@@ -8,8 +8,8 @@
 //! lists are end-aligned whenever both sides use the same *logical* block size in tokens (vLLM: the same
 //! `ppl`, which is the same thing when the kernel block sizes are equal).
 
-use super::plan_error::PlanError;
-use super::region::GroupKind;
+use super::error::PlanError;
+use crate::core::region::GroupKind;
 
 /// The part of a list that is transferred.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,6 +1,6 @@
 //! Errors of transfer planning: each names the bad value, the limit, and where it matters both sides.
 
-use super::error::LayoutError;
+use crate::core::error::LayoutError;
 
 /// Which side of a transfer a value belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

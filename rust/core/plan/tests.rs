@@ -1,12 +1,12 @@
 //! Hand-checked planning vectors on hand-built layouts.
 
-use super::fixtures::{dense_memory, hybrid_mla_f2, kda_spec, mla_spec};
-use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
-use super::meta::{AgentMeta, EngineInfo, TransferMode};
-use super::plan::{PeerPlan, Plan, TableKey};
-use super::plan_error::PlanError;
-use super::spec::{AttentionSpec, LayerSpec, MambaKind, SsmSpec};
-use super::RegionTable;
+use super::error::PlanError;
+use super::{PeerPlan, Plan, TableKey};
+use crate::core::fixtures::{dense_memory, hybrid_mla_f2, kda_spec, mla_spec};
+use crate::core::layout::{LayerInput, LayerMemory, MemType, RankLayout};
+use crate::core::meta::{AgentMeta, EngineInfo, TransferMode};
+use crate::core::spec::{AttentionSpec, LayerSpec, MambaKind, SsmSpec};
+use crate::core::RegionTable;
 
 const T0: u64 = 0x1000;
 const T1: u64 = 0x10000;

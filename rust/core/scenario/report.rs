@@ -3,8 +3,8 @@
 
 use serde::Serialize;
 
-use super::meta::TransferMode;
-use super::scenario::{Deployment, ScenarioError};
+use super::{Deployment, ScenarioError};
+use crate::core::meta::TransferMode;
 
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]

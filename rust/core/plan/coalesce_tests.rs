@@ -1,11 +1,11 @@
 //! Coalesced chunk rows through whole deployments: fewer ids for contiguous requests, the same bytes as the
 //! reference plans, single ids where nothing is contiguous, and chunk rows only for dense attention rows.
 
-use super::coalesce::MAX_CHUNK_LOG2;
-use super::descs::DescTable;
-use super::plan::PeerPlan;
-use super::plan_tests::canonical;
-use super::scenario::{Deployment, Scenario};
+use super::tests::canonical;
+use super::PeerPlan;
+use crate::core::coalesce::MAX_CHUNK_LOG2;
+use crate::core::descs::DescTable;
+use crate::core::scenario::{Deployment, Scenario};
 
 /// A scenario of `tensors` tensors of the given layers (`"mla"`, `"gqa"`, `"ssm"`), groups in `kinds` order.
 fn scenario(
@@ -287,7 +287,7 @@ fn nixl_merged(local: &DescTable, remote: &DescTable, local_ids: &[i32], remote_
 fn merged_counts(s: &Scenario) -> (usize, usize) {
     let (c, r) = (Deployment::build(s).unwrap(), Deployment::build_with(s, false).unwrap());
     let (pc, pr) = (c.plan_all().unwrap(), r.plan_all().unwrap());
-    let count = |dep: &Deployment, plans: &[super::scenario::RankPlan]| -> usize {
+    let count = |dep: &Deployment, plans: &[crate::core::scenario::RankPlan]| -> usize {
         plans
             .iter()
             .flat_map(|p| p.plan.transfers.iter().map(move |t| (p.local_rank, t)))

@@ -7,8 +7,8 @@
 //! piece takes chunk `ssm_index`. Row counts and strides are kept, so descriptor ids are the same in every
 //! split table as in the table it was cut from.
 
-use super::descs::{DescTable, StridedRow};
-use super::plan_error::{exact_div, PlanError};
+use super::error::{exact_div, PlanError};
+use crate::core::descs::{DescTable, StridedRow};
 
 /// Which part of every descriptor one remote piece covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -21,20 +21,36 @@
 //! * **Addresses** stay `u64` and are never dereferenced; `moves` resolves ids back to byte ranges so a plan
 //!   can be checked independently of how descriptors are indexed.
 
+mod emit;
+pub mod error;
+mod ids;
+pub mod remote;
+mod routes;
+mod runs;
+pub mod split;
+pub mod trim;
+
+#[cfg(test)]
+mod coalesce_tests;
+#[cfg(test)]
+mod tests;
+
+pub use self::error::{PlanError, Side};
+
+use self::emit::{Slots, Windows};
+use self::error::mismatch;
+use self::ids::IdSpace;
+use self::remote::{hosts_attention, remote_table};
+use self::routes::{routes, Route};
+use self::split::split_table;
+use self::trim::{trim, GroupTrim};
 use super::coalesce::{dense_row, with_chunk_rows, ChunkStarts};
 use super::descs::{DescTable, StridedRow};
 use super::handshake::check_well_formed;
 use super::meta::{AgentMeta, TransferMode};
-use super::plan_emit::{Slots, Windows};
-use super::plan_error::{mismatch, PlanError, Side};
-use super::plan_ids::IdSpace;
-use super::plan_routes::{routes, Route};
 use super::region::{GroupKind, RegionTable};
-use super::remote::{hosts_attention, remote_table};
-use super::split::split_table;
 use super::state_rows::with_state_rows;
 use super::tp::{TpMapping, MAX_TP_SIZE};
-use super::trim::{trim, GroupTrim};
 use super::units::BlockUnits;
 
 /// Which local table a transfer indexes.

@@ -1,11 +1,11 @@
 //! `check_scenario`: every rank pair of a deployment, compatible or with all of its findings.
 
-use super::scenario::{Scenario, ScenarioError};
-use super::scenario_check::{check_scenario, check_scenario_json, CheckReport, Verdict};
+use super::check::{check_scenario, check_scenario_json, CheckReport, Verdict};
+use super::{Scenario, ScenarioError};
 
-const F2: &str = include_str!("../../tests/data/scenarios/hybrid_mla_f2.json");
-const KIMI_PUSH: &str = include_str!("../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
-const GQA_PULL: &str = include_str!("../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");
+const F2: &str = include_str!("../../../tests/data/scenarios/hybrid_mla_f2.json");
+const KIMI_PUSH: &str = include_str!("../../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
+const GQA_PULL: &str = include_str!("../../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");
 
 fn check(text: &str) -> CheckReport {
     check_scenario(&Scenario::from_json(text).unwrap()).unwrap()

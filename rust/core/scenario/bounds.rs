@@ -6,9 +6,9 @@
 //! named limit, and the products that size the build have one too; an error names the field, the value and
 //! the limit. Zero sizes are refused here too, by field name (the schema's `minimum: 1`).
 
-use super::scenario::{Engine, Group, Request, Scenario, ScenarioError};
-use super::tp::MAX_TP_SIZE;
-use super::TransferMode;
+use super::{Engine, Group, Request, Scenario, ScenarioError};
+use crate::core::tp::MAX_TP_SIZE;
+use crate::core::TransferMode;
 
 /// Most KV-cache groups in a model, and most id lists in one side of a request (models have a handful).
 pub const MAX_GROUPS: usize = 256;

@@ -2,8 +2,8 @@
 //! `u` consecutive units, so runs are walked one block (not one unit) at a time and the unit expansion of a
 //! coalesced group is never materialised.
 
-use super::coalesce::MAX_CHUNK_LOG2;
 use super::trim::Window;
+use crate::core::coalesce::MAX_CHUNK_LOG2;
 
 /// `2^j` units starting at local unit `l` and remote unit `r` (`j == 0`: one unit, a plain id).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,7 +141,7 @@ fn cut((l, r, n): (u64, u64, u64), limit: usize, out: &mut Vec<Run>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::plan_ids::window_units;
+    use crate::core::plan::ids::window_units;
     use proptest::prelude::*;
 
     /// The definition, over the materialised unit lists: every maximal run of units consecutive on both sides,

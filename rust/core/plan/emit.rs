@@ -8,11 +8,11 @@
 //! then adds its region's base to each relative id (the chunk rows' base for chunks, the region's own
 //! units' base for lone units).
 
-use super::coalesce::ChunkStarts;
-use super::plan_ids::{window_units, IdSpace};
-use super::plan_runs::{chunk_runs, Run, UnitCursor};
-use super::region::GroupKind;
+use super::ids::{window_units, IdSpace};
+use super::runs::{chunk_runs, Run, UnitCursor};
 use super::trim::Window;
+use crate::core::coalesce::ChunkStarts;
+use crate::core::region::GroupKind;
 
 /// Id slots of a peer plan, in emission order.
 #[derive(Debug, Clone)]

@@ -6,12 +6,12 @@
 //! needing every head the remote holds) or the local rank's head slice of it; SSM descriptors are the local
 //! rank's channel / dim-0 share of a larger remote state, or the whole smaller remote share.
 
-use super::descs::{DescTable, StridedRow};
-use super::meta::AgentMeta;
-use super::plan_error::{exact_div, mismatch, PlanError};
-use super::region::{GroupKind, RegionTable};
-use super::tp::TpMapping;
-use super::units::BlockUnits;
+use super::error::{exact_div, mismatch, PlanError};
+use crate::core::descs::{DescTable, StridedRow};
+use crate::core::meta::AgentMeta;
+use crate::core::region::{GroupKind, RegionTable};
+use crate::core::tp::TpMapping;
+use crate::core::units::BlockUnits;
 
 /// KV heads one rank of a `tp`-rank engine holds (`max(1, K / tp)`).
 pub fn heads_per_rank(total_kv_heads: u64, tp: u32) -> u64 {

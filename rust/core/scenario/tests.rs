@@ -1,13 +1,13 @@
 //! Scenario parsing, building and the example scenarios shipped in `tests/data/scenarios`.
 
-use super::plan::TableKey;
-use super::plan_error::PlanError;
-use super::scenario::{Deployment, Scenario, ScenarioError};
-use super::scenario_report::report;
+use super::report::report;
+use super::{Deployment, Scenario, ScenarioError};
+use crate::core::plan::PlanError;
+use crate::core::plan::TableKey;
 
-const F2: &str = include_str!("../../tests/data/scenarios/hybrid_mla_f2.json");
-const KIMI_PUSH: &str = include_str!("../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
-const GQA_PULL: &str = include_str!("../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");
+const F2: &str = include_str!("../../../tests/data/scenarios/hybrid_mla_f2.json");
+const KIMI_PUSH: &str = include_str!("../../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
+const GQA_PULL: &str = include_str!("../../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");
 
 #[test]
 fn f2_scenario_gives_the_reference_ids() {
@@ -290,7 +290,7 @@ fn counts_at_their_bounds_are_accepted() {
         v["requests"] = serde_json::json!([]);
     });
     let s = Scenario::from_json(&text).unwrap();
-    let (prefill, decode) = super::scenario::build_engines(&s).unwrap();
+    let (prefill, decode) = super::build_engines(&s).unwrap();
     assert_eq!((prefill.len(), decode.len()), (1024, 1));
 }
 
