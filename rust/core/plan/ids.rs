@@ -5,6 +5,9 @@ use super::error::{PlanError, Side};
 use super::trim::Window;
 use crate::core::region::GroupKind;
 
+/// Largest descriptor id a table may have: NIXL takes ids as int32.
+pub(crate) const ID_LIMIT: u64 = i32::MAX as u64;
+
 /// Descriptor-id geometry of one side.
 #[derive(Debug, Clone)]
 pub(crate) struct IdSpace {

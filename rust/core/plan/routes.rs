@@ -1,9 +1,9 @@
 //! Which remote ranks a local rank exchanges each group with, and through which local table (pull follows
 //! vLLM's mapping; push writes attention to every covered decode rank, once per head).
 
+use super::key::TableKey;
 use super::remote::hosts_attention;
 use super::split::Piece;
-use super::TableKey;
 use crate::core::meta::TransferMode;
 use crate::core::region::{GroupKind, RegionTable};
 use crate::core::tp::TpMapping;
@@ -66,4 +66,16 @@ pub(crate) fn routes(
         });
     }
     (out, pieces)
+}
+
+/// Remote ranks of the routes that carry an attention group, ascending.
+pub(crate) fn attention_ranks(routes: &[Route], groups: &[GroupKind]) -> Vec<u32> {
+    let mut ranks: Vec<u32> = routes
+        .iter()
+        .filter(|r| r.groups.iter().zip(groups).any(|(&on, g)| on && g.is_attention()))
+        .map(|r| r.remote_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
 }

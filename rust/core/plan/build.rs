@@ -1,0 +1,270 @@
+//! Building a [`PeerPlan`], one named step after another: check the remotes, map the TP ranks, build and
+//! bound every remote table and the local base table, lay out both sides' descriptor ids, route each remote
+//! rank to a local table (cutting split tables where one is needed), append the coalescing rows, and fix the
+//! id slots a request is emitted into.
+
+use super::checks::{check_inside_advertised, check_remote_size, check_remotes};
+use super::emit::Slots;
+use super::error::{PlanError, Side};
+use super::ids::{IdSpace, ID_LIMIT};
+use super::key::TableKey;
+use super::remote::{hosts_attention, remote_table};
+use super::routes::{attention_ranks, routes};
+use super::rows::{append_rows, StateStarts};
+use super::split::{split_table, Piece};
+use super::PeerPlan;
+use crate::core::descs::DescTable;
+use crate::core::meta::{AgentMeta, TransferMode};
+use crate::core::region::{GroupKind, RegionTable};
+use crate::core::tp::TpMapping;
+use crate::core::units::BlockUnits;
+
+impl PeerPlan {
+    /// Precompute the mapping and tables of `local` against `remotes`: the handshake metadata of every remote
+    /// rank this local rank talks to (the handshake targets), all of one peer engine.
+    ///
+    /// # Errors
+    /// A [`PlanError`] naming both sides' values: TP sizes that do not divide, remote ranks that are not the
+    /// handshake targets, mismatched modes, regions, groups, pages or SSM state sizes, unsupported
+    /// combinations, or tables too large for int32 descriptor ids.
+    pub fn new(local: &RegionTable, remotes: &[AgentMeta], mode: TransferMode) -> Result<PeerPlan, PlanError> {
+        PeerPlan::with_coalescing(local, remotes, mode, true)
+    }
+
+    /// [`PeerPlan::new`], choosing whether runs of consecutive units are coalesced into chunk descriptors.
+    ///
+    /// With `coalesce` false the tables have no chunk rows and every plan has one id pair per unit (the
+    /// reference vectors; what NIXL < 1.5 users expanding tables to `(N, 3)` want). With `true` (the
+    /// default of [`PeerPlan::new`]) coalescing is still skipped when the chunk rows would push a table past
+    /// the int32 id range.
+    ///
+    /// # Errors
+    /// As [`PeerPlan::new`].
+    pub fn with_coalescing(
+        local: &RegionTable,
+        remotes: &[AgentMeta],
+        mode: TransferMode,
+        coalesce: bool,
+    ) -> Result<PeerPlan, PlanError> {
+        let first = check_remotes(remotes, mode)?;
+        let groups = local.groups.clone();
+        let mapping = map_ranks(local, remotes, first, &groups)?;
+        let units = BlockUnits::new(local.geometry.kernel_block_size, first.kernel_block_size)?;
+        check_remote_size(local, first, units, &mapping)?;
+        let mut remote_tables = build_remote_tables(local, remotes, &mapping, units)?;
+        let base = build_base_table(local, units)?;
+        let region_groups = attention_groups_per_region(local, &groups);
+        let l_counts: Vec<u64> = local.regions.iter().map(|r| r.num_blocks * units.local_sub).collect();
+        let r_counts: Vec<u64> = first.regions.iter().map(|r| r.num_blocks * units.remote_sub).collect();
+        let (local_space, remote_space) = id_spaces(
+            local,
+            first,
+            units,
+            (base.num_fa, remote_tables[0].1.num_fa),
+            (&l_counts, &r_counts),
+            &region_groups,
+        );
+        let base_key = if units.local_sub == 1 {
+            TableKey::Whole
+        } else {
+            TableKey::Bsr(units.local_sub)
+        };
+        let (routes, pieces) = routes(local, &mapping, mode, base_key, &groups);
+        let mut local_tables = with_split_tables(local, (base_key, base), &pieces, &l_counts)?;
+        let (chunks, states) = if coalesce {
+            // Only remote ranks some route exchanges attention with ever use chunk ids (an MLA pull reads one
+            // of the ranks it handshakes with; SSM-only ranks get none).
+            append_rows(
+                local,
+                &mut local_tables,
+                &mut remote_tables,
+                &attention_ranks(&routes, &groups),
+                &region_groups,
+                (&local_space, &l_counts),
+                (&remote_space, &r_counts),
+            )
+        } else {
+            (vec![None; region_groups.len()], None)
+        };
+        let slots = Slots::new(
+            &groups,
+            &region_groups,
+            &ssm_bases(states, (&local_space, &remote_space)),
+            (&local_space, &remote_space),
+            &chunks,
+        );
+        Ok(PeerPlan {
+            mode,
+            mapping,
+            units,
+            local_tables,
+            remote_tables,
+            groups,
+            local: local_space,
+            remote: remote_space,
+            routes,
+            slots,
+        })
+    }
+}
+
+/// The TP mapping of the local rank against the remotes' engine, once the remotes given are exactly the ranks
+/// it covers (the handshake targets).
+fn map_ranks(
+    local: &RegionTable,
+    remotes: &[AgentMeta],
+    first: &AgentMeta,
+    groups: &[GroupKind],
+) -> Result<TpMapping, PlanError> {
+    let mapping = TpMapping::compute(
+        local.tp_rank,
+        local.tp_size,
+        first.tp_size,
+        local.total_num_kv_heads,
+        local.use_mla,
+        groups,
+    )?;
+    let mut given: Vec<u32> = remotes.iter().map(|m| m.tp_rank).collect();
+    given.sort_unstable();
+    if given != mapping.covered_ranks() {
+        return Err(PlanError::RemoteRanks {
+            given,
+            needed: mapping.covered_ranks(),
+        });
+    }
+    Ok(mapping)
+}
+
+/// One table per remote rank, ascending by rank, each within int32 ids and inside the regions its rank
+/// advertised (checked before chunk rows are appended: each chunk row lies inside the dense row it is cut
+/// from).
+fn build_remote_tables(
+    local: &RegionTable,
+    remotes: &[AgentMeta],
+    mapping: &TpMapping,
+    units: BlockUnits,
+) -> Result<Vec<(u32, DescTable)>, PlanError> {
+    let mut remote_tables = Vec::with_capacity(remotes.len());
+    for m in remotes {
+        let t = remote_table(local, m, mapping, units)?;
+        check_id_range(&t, Side::Remote)?;
+        remote_tables.push((m.tp_rank, t));
+    }
+    remote_tables.sort_by_key(|(r, _)| *r);
+    for ((rank, table), m) in remote_tables.iter().zip(sorted_by_rank(remotes)) {
+        check_inside_advertised(*rank, table, m)?;
+    }
+    Ok(remote_tables)
+}
+
+/// `remotes` in ascending rank order (the order of `PeerPlan::remote_tables`).
+fn sorted_by_rank(remotes: &[AgentMeta]) -> Vec<&AgentMeta> {
+    let mut v: Vec<&AgentMeta> = remotes.iter().collect();
+    v.sort_by_key(|m| m.tp_rank);
+    v
+}
+
+/// The local base table in common units, within int32 ids.
+fn build_base_table(local: &RegionTable, units: BlockUnits) -> Result<DescTable, PlanError> {
+    let base = local.local_table(units.local_sub)?;
+    check_id_range(&base, Side::Local)?;
+    Ok(base)
+}
+
+/// Refuse a table whose descriptor ids would not fit int32.
+fn check_id_range(table: &DescTable, side: Side) -> Result<(), PlanError> {
+    if table.len() > ID_LIMIT {
+        return Err(PlanError::TableTooLarge {
+            side,
+            len: table.len(),
+            limit: ID_LIMIT,
+        });
+    }
+    Ok(())
+}
+
+/// Per local region, the attention groups whose pages it holds (every attention group when the region is
+/// shared by all of them).
+fn attention_groups_per_region(local: &RegionTable, groups: &[GroupKind]) -> Vec<Vec<usize>> {
+    local
+        .regions
+        .iter()
+        .map(|r| {
+            (0..groups.len())
+                .filter(|&g| groups[g].is_attention() && (r.group.is_none() || r.group == Some(g as u32)))
+                .collect()
+        })
+        .collect()
+}
+
+/// Both sides' descriptor-id geometry: `num_fa` and the per-region unit `counts` of the local base table and
+/// of the remote tables (all remote ranks share one geometry).
+fn id_spaces(
+    local: &RegionTable,
+    first: &AgentMeta,
+    units: BlockUnits,
+    (l_num_fa, r_num_fa): (u64, u64),
+    (l_counts, r_counts): (&[u64], &[u64]),
+    region_groups: &[Vec<usize>],
+) -> (IdSpace, IdSpace) {
+    let groups = &local.groups;
+    let ssm_streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams()) * local.ssm_regions.len();
+    let geo = &local.geometry;
+    let local_space = IdSpace::new(
+        l_counts,
+        l_num_fa,
+        ssm_streams,
+        geo.ppl,
+        units.local_sub,
+        geo.logical_block_size,
+        geo.num_logical_blocks,
+        region_groups,
+        groups,
+    );
+    let remote_space = IdSpace::new(
+        r_counts,
+        r_num_fa,
+        ssm_streams,
+        first.ppl,
+        units.remote_sub,
+        first.logical_block_size,
+        first.num_logical_blocks,
+        region_groups,
+        groups,
+    );
+    (local_space, remote_space)
+}
+
+/// The local tables by key: the base table first, then one split table per piece the routes use. Regions kept
+/// whole in every piece (MLA, or holding no attention) are marked replicated.
+fn with_split_tables(
+    local: &RegionTable,
+    (base_key, base): (TableKey, DescTable),
+    pieces: &[Piece],
+    l_counts: &[u64],
+) -> Result<Vec<(TableKey, DescTable)>, PlanError> {
+    let replicated: Vec<bool> = local
+        .regions
+        .iter()
+        .map(|r| r.is_mla || !hosts_attention(r.group, &local.groups))
+        .collect();
+    let mut local_tables = Vec::with_capacity(1 + pieces.len());
+    for (i, piece) in pieces.iter().enumerate() {
+        local_tables.push((TableKey::Split(i), split_table(&base, &replicated, l_counts, *piece)?));
+    }
+    local_tables.insert(0, (base_key, base));
+    Ok(local_tables)
+}
+
+/// SSM slot bases `(local, remote)`: one per whole state where both sides have state rows, else one per piece.
+fn ssm_bases(states: Option<StateStarts>, (l_space, r_space): (&IdSpace, &IdSpace)) -> Vec<(u64, u64)> {
+    match states {
+        Some((l, r)) => l.into_iter().zip(r).collect(),
+        None => l_space
+            .ssm_start
+            .iter()
+            .copied()
+            .zip(r_space.ssm_start.iter().copied())
+            .collect(),
+    }
+}
