@@ -32,7 +32,7 @@
 
 use super::descs::{DescTable, StridedRow};
 use super::error::LayoutError;
-use super::plan::remote::hosts_attention;
+use super::region::hosts_attention;
 use super::region::RegionTable;
 use super::state_rows::with_state_rows;
 

@@ -10,7 +10,6 @@ pub mod layout;
 pub mod meta;
 pub mod plan;
 pub mod plan_bytes;
-pub mod ratio;
 pub mod region;
 pub mod scenario;
 pub mod scenario_ranks;

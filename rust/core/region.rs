@@ -42,6 +42,14 @@ impl GroupKind {
     }
 }
 
+/// Whether region `group` (its owner group, `None` when shared) hosts attention pages of `groups`.
+pub(crate) fn hosts_attention(group: Option<u32>, groups: &[GroupKind]) -> bool {
+    match group {
+        Some(g) => groups.get(g as usize).is_some_and(|k| k.is_attention()),
+        None => groups.iter().any(|k| k.is_attention()),
+    }
+}
+
 /// One registered memory region (a distinct base address).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Region {

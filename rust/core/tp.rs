@@ -1,12 +1,12 @@
-//! Heterogeneous-TP mapping: which remote ranks a local rank exchanges each KV-cache group with
-//! (without decode context parallelism).
+//! Heterogeneous-TP mapping: the TP ratio of two engines and which remote ranks a local rank exchanges each
+//! KV-cache group with (without decode context parallelism). Kernel block sizes are related through their
+//! common unit instead (`units.rs`).
 //!
 //! "Source" follows vLLM's read-oriented naming: in pull mode the sources are the prefill ranks a decode
 //! rank reads from; in push mode the same mapping, computed from the prefill rank's view, names the decode
 //! ranks it writes to.
 
 use super::plan::{PlanError, Side};
-use super::ratio::tp_ratio;
 use super::region::GroupKind;
 
 /// The TP mapping of one local rank against one remote engine.
@@ -43,6 +43,40 @@ pub struct TpMapping {
 /// Largest TP size accepted from anyone (a scenario file, a peer's metadata, a caller): TP mappings allocate
 /// per rank, so a size must be bounded before it sizes anything. Deployments today use at most a few hundred.
 pub const MAX_TP_SIZE: u32 = 1024;
+
+/// TP ratio from the local side's view: `local/remote` (>= 1) when the local TP is at least the remote TP,
+/// `-(remote/local)` otherwise. In pull mode local is decode; in push mode local is prefill.
+///
+/// # Errors
+/// A message naming both sizes when either is zero or over [`MAX_TP_SIZE`], or the larger does not divide by
+/// the smaller.
+pub fn tp_ratio(local_tp: u32, remote_tp: u32) -> Result<i64, String> {
+    if local_tp == 0 || remote_tp == 0 {
+        return Err(format!(
+            "TP sizes must be positive (local {local_tp}, remote {remote_tp})"
+        ));
+    }
+    if local_tp > MAX_TP_SIZE || remote_tp > MAX_TP_SIZE {
+        return Err(format!(
+            "TP sizes must be at most {MAX_TP_SIZE} (local {local_tp}, remote {remote_tp})"
+        ));
+    }
+    if local_tp >= remote_tp {
+        if local_tp % remote_tp != 0 {
+            return Err(format!(
+                "local TP {local_tp} is not a multiple of remote TP {remote_tp}"
+            ));
+        }
+        Ok(i64::from(local_tp / remote_tp))
+    } else {
+        if remote_tp % local_tp != 0 {
+            return Err(format!(
+                "remote TP {remote_tp} is not a multiple of local TP {local_tp}"
+            ));
+        }
+        Ok(-i64::from(remote_tp / local_tp))
+    }
+}
 
 /// Remote ranks a local rank must handshake with: one rank when the local TP is at least the
 /// remote TP, otherwise the `|ratio|` remote ranks covering this rank's shard.
@@ -229,6 +263,16 @@ mod tests {
 
     fn map(rank: u32, tp: u32, remote: u32, k: u64, mla: bool, groups: &[GroupKind]) -> TpMapping {
         TpMapping::compute(rank, tp, remote, k, mla, groups).unwrap()
+    }
+
+    #[test]
+    fn sign_convention() {
+        assert_eq!(tp_ratio(4, 2), Ok(2));
+        assert_eq!(tp_ratio(2, 8), Ok(-4));
+        assert_eq!(tp_ratio(3, 3), Ok(1));
+        assert!(tp_ratio(3, 2).unwrap_err().contains("local TP 3"));
+        assert!(tp_ratio(2, 3).is_err());
+        assert!(tp_ratio(0, 3).is_err());
     }
 
     /// Reference F.10 source-rank vectors (K = 8, full attention).

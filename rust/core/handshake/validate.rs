@@ -13,9 +13,9 @@ use super::error::{Finding, HandshakeError};
 use super::fingerprint::{fingerprint, GeometryKey};
 use super::wellformed::{placement_findings, structure_findings};
 use crate::core::meta::{AgentMeta, TransferMode};
-use crate::core::ratio::tp_ratio;
 use crate::core::region::GroupKind;
 use crate::core::tp::handshake_target_ranks;
+use crate::core::tp::tp_ratio;
 use crate::core::units::BlockUnits;
 
 /// Layouts whose last three physical dims are heads, tokens, channels: a head range is contiguous.

@@ -8,14 +8,14 @@ use super::emit::Slots;
 use super::error::{PlanError, Side};
 use super::ids::{IdSpace, ID_LIMIT};
 use super::key::TableKey;
-use super::remote::{hosts_attention, remote_table};
+use super::remote::remote_table;
 use super::routes::{attention_ranks, routes};
 use super::rows::{append_rows, StateStarts};
 use super::split::{split_table, Piece};
 use super::PeerPlan;
 use crate::core::descs::DescTable;
 use crate::core::meta::{AgentMeta, TransferMode};
-use crate::core::region::{GroupKind, RegionTable};
+use crate::core::region::{hosts_attention, GroupKind, RegionTable};
 use crate::core::tp::TpMapping;
 use crate::core::units::BlockUnits;
 

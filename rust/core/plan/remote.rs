@@ -9,21 +9,13 @@
 use super::error::{exact_div, mismatch, PlanError};
 use crate::core::descs::{DescTable, StridedRow};
 use crate::core::meta::AgentMeta;
-use crate::core::region::{GroupKind, RegionTable};
+use crate::core::region::{hosts_attention, RegionTable};
 use crate::core::tp::TpMapping;
 use crate::core::units::BlockUnits;
 
 /// KV heads one rank of a `tp`-rank engine holds (`max(1, K / tp)`).
 pub fn heads_per_rank(total_kv_heads: u64, tp: u32) -> u64 {
     (total_kv_heads / u64::from(tp)).max(1)
-}
-
-/// Whether region `group` (its owner group, `None` when shared) hosts attention pages of `groups`.
-pub(crate) fn hosts_attention(group: Option<u32>, groups: &[GroupKind]) -> bool {
-    match group {
-        Some(g) => groups.get(g as usize).is_some_and(|k| k.is_attention()),
-        None => groups.iter().any(|k| k.is_attention()),
-    }
 }
 
 /// Remote SSM sub-streams `(offset, len)` read by the local rank: the conv sub-projections, then the temporal

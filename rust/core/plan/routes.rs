@@ -2,10 +2,9 @@
 //! vLLM's mapping; push writes attention to every covered decode rank, once per head).
 
 use super::key::TableKey;
-use super::remote::hosts_attention;
 use super::split::Piece;
 use crate::core::meta::TransferMode;
-use crate::core::region::{GroupKind, RegionTable};
+use crate::core::region::{hosts_attention, GroupKind, RegionTable};
 use crate::core::tp::TpMapping;
 
 /// Which groups one remote rank exchanges, through which local table.
