@@ -419,14 +419,6 @@ impl RegionTable {
     pub fn num_fa_descs(&self, bsr: u64) -> u64 {
         self.regions.iter().map(|r| r.num_blocks * bsr).sum()
     }
-
-    /// True when regions belong to different groups, so group ids must be routed per region.
-    pub fn uses_region_group_mapping(&self) -> bool {
-        let mut seen: Vec<Option<u32>> = self.regions.iter().map(|r| r.group).collect();
-        seen.sort();
-        seen.dedup();
-        seen.len() > 1
-    }
 }
 
 fn check_no_overlap(regions: &[Region]) -> Result<(), LayoutError> {

@@ -542,12 +542,4 @@ impl Deployment {
         }
         Ok(out)
     }
-
-    /// The local ranks' states (decode in pull mode, prefill in push mode).
-    pub fn local_ranks(&self) -> &[RankState] {
-        match self.scenario.mode {
-            TransferMode::Pull => &self.decode,
-            TransferMode::Push => &self.prefill,
-        }
-    }
 }
