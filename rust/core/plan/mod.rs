@@ -22,6 +22,7 @@
 //!   can be checked independently of how descriptors are indexed.
 
 mod build;
+pub mod bytes;
 mod checks;
 mod emit;
 pub mod error;

@@ -7,13 +7,13 @@
 
 use serde::Serialize;
 
+use super::ranks::{link_peer, rank_costs, RankCost};
 use super::{build_engines, Scenario, ScenarioError};
 use crate::core::handshake::{check_pairs, Finding};
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::plan::PlanError;
 use crate::core::plan::{PeerPlan, Plan};
 use crate::core::region::RegionTable;
-use crate::core::scenario_ranks::{link_peer, rank_costs, RankCost};
 
 /// Whether a rank pair can exchange KV caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -9,6 +9,7 @@
 
 pub mod bounds;
 pub mod check;
+pub mod ranks;
 pub mod report;
 
 #[cfg(test)]

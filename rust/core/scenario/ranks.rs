@@ -4,9 +4,8 @@
 
 use serde::Serialize;
 
-use super::plan::PlanError;
-use super::plan::{PeerPlan, Plan};
-use super::scenario::RankState;
+use super::RankState;
+use crate::core::plan::{PeerPlan, Plan, PlanError};
 
 /// Rows and descriptors (once expanded) of one local table of a peer plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -119,13 +118,12 @@ pub fn link_peer(costs: &mut [RankCost], local_role: &str, local: u32, remote: u
 
 #[cfg(test)]
 mod tests {
-    use super::super::scenario::check::check_scenario_with;
-    use super::super::scenario::report::report;
-    use super::super::scenario::Deployment;
-    use super::super::scenario::Scenario;
+    use crate::core::scenario::check::check_scenario_with;
+    use crate::core::scenario::report::report;
+    use crate::core::scenario::{Deployment, Scenario};
 
-    const KIMI_PUSH: &str = include_str!("../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
-    const GQA_PULL: &str = include_str!("../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");
+    const KIMI_PUSH: &str = include_str!("../../../tests/data/scenarios/kimi_tiny_8p2d_push.json");
+    const GQA_PULL: &str = include_str!("../../../tests/data/scenarios/gqa_ssm_2p4d_pull.json");
 
     /// Every rank is listed; a posting rank's request costs are those of `plan`'s report (transfers, local ids,
     /// resolved bytes), its peers its handshake targets, and the other side's peers the posting ranks that

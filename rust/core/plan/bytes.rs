@@ -3,9 +3,8 @@
 //! What callers used to recompute from the arrays they were handed (Python summed descriptor lengths with
 //! NumPy and expanded strided rows itself): the core already knows every table, so it answers.
 
-use super::descs::{DescTable, StridedRow};
-use super::plan::PlanError;
-use super::plan::{PeerPlan, RankTransfer, TableKey};
+use super::{PeerPlan, PlanError, RankTransfer, TableKey};
+use crate::core::descs::{DescTable, StridedRow};
 
 /// Most descriptors a table read from rows may have: NIXL indexes descriptors with int32.
 pub const MAX_ROW_DESCS: u64 = i32::MAX as u64;
