@@ -26,7 +26,7 @@ def read_scenario(path: str) -> str:
             if len(text) > MAX_SCENARIO_BYTES:
                 raise CliError(f"{name} is over the limit of {MAX_SCENARIO_BYTES} characters")
             return text
-        data = stream.read(MAX_SCENARIO_BYTES + 1)
+        data: bytes = stream.read(MAX_SCENARIO_BYTES + 1)
     else:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
