@@ -1,9 +1,9 @@
 //! Moving Rust buffers into numpy arrays without copying them, and filling numpy arrays in place.
 
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::errors::Error;
 use crate::core::DescTable;
 
 /// A row-major `u64` buffer as a `(len / cols, cols)` numpy array (the buffer is moved, not copied).
@@ -48,6 +48,6 @@ pub fn expand_rows<'py>(py: Python<'py>, rows: PyReadonlyArray2<'py, u64>) -> Py
     };
     let table = py
         .detach(move || DescTable::from_rows(&flat, cols))
-        .map_err(PyValueError::new_err)?;
+        .map_err(Error::value_error)?;
     flat_descs(py, &table)
 }

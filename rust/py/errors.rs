@@ -11,7 +11,8 @@
 //!   the failed checks in `findings`;
 //! - everything else that cannot be planned, including a bad `mode` (`"pull"`/`"push"`, wherever it is given:
 //!   `PeerPlan`'s argument or an engine info's `transfer_mode`) and a malformed scenario, is a `PlanError`;
-//! - an argument of the wrong Python type is a `TypeError`;
+//! - an argument of the wrong Python type is a `TypeError`; an argument of the right type with a malformed value
+//!   that is not a layout, a plan or a payload (e.g. descriptor rows handed to `expand_rows`) is a `ValueError`;
 //! - a bug (a panic caught by [`no_panic`], a result that does not serialize) is the base `HybridKvError`.
 //!
 //! `TransferError` is defined here so that the hierarchy is one (`hybrid_kv.TransferError` is a
@@ -36,6 +37,8 @@ pub enum Kind {
     Handshake,
     /// `TypeError`: an argument of the wrong Python type.
     Type,
+    /// `ValueError`: an argument of the right type whose value is malformed (e.g. descriptor rows).
+    Value,
     /// `hybrid_kv.HybridKvError`: a hybrid-kv bug (a caught panic, a result that does not serialize).
     Internal,
 }
@@ -113,6 +116,11 @@ impl Error {
         Error::new(Kind::Type, message)
     }
 
+    /// A `ValueError`.
+    pub fn value_error(message: impl Into<String>) -> Error {
+        Error::new(Kind::Value, message)
+    }
+
     /// A `HybridKvError` for a bug.
     pub fn internal(message: impl Into<String>) -> Error {
         Error::new(Kind::Internal, message)
@@ -184,7 +192,7 @@ pub use python::*;
 
 #[cfg(feature = "python")]
 mod python {
-    use pyo3::exceptions::{PyException, PyTypeError};
+    use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
     use pyo3::prelude::*;
     use pyo3::{create_exception, types::PyTuple};
 
@@ -237,6 +245,7 @@ mod python {
                 Kind::Plan => PlanError::new_err(e.message),
                 Kind::Handshake => HandshakeError::new_err(e.message),
                 Kind::Type => PyTypeError::new_err(e.message),
+                Kind::Value => PyValueError::new_err(e.message),
                 Kind::Internal => HybridKvError::new_err(e.message),
             };
             if !e.findings.is_empty() {
