@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..._core import PeerPlan, RegionTable, compat_hash, handshake_target_ranks, validate_handshake
+from ..._core import PeerPlan, RegionTable, compat_hash, handshake_target_ranks
 from ...transport import Endpoint, HandshakeError, RequestHandle, Transfer, TransferError
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, rank_table
@@ -189,29 +189,34 @@ class WorkerHalf:
     def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> _Link:
         """Connect to peer engine ``engine_id`` (runs on the handshake thread; touches no shared state).
 
-        Fetches the peer ranks' metadata, validates it, builds the ``PeerPlan``, opens this worker's active
-        endpoint towards that engine and connects it to every target rank. Each network step has its own
+        Fetches each peer rank's reply once, validates and plans from exactly those payload bytes (one decode
+        in Rust: ``PeerPlan(own_payload=...)``), opens this worker's active endpoint towards that engine and
+        connects it to every target rank from the same replies (no second fetch). Each network step has its own
         deadline (``handshake_timeout_s``), so this always ends.
         """
         import zmq
 
-        from ...transport.side_channel import ChannelError, fetch_meta
+        from ...transport.side_channel import ChannelError, fetch_reply
 
         assert self.table is not None and self.geometry is not None
         targets = list(handshake_target_ranks(self.tp_rank, self.tp_size, tp_size))
         addresses = {r: self._address(host, port, r) for r in targets}
         ctx: Any = zmq.Context()
         try:
-            payloads = {
-                r: fetch_meta(ctx, addresses[r], r, self.name, self.cfg.handshake_timeout_s)[0] for r in targets
-            }
+            replies = {r: fetch_reply(ctx, addresses[r], r, self.name, self.cfg.handshake_timeout_s) for r in targets}
         except ChannelError as exc:
             raise HandshakeError(f"{self.name}: fetching {engine_id}'s metadata failed: {exc}") from exc
         finally:
             ctx.destroy(linger=0)
-        for r in targets:
-            validate_handshake(self.payload, payloads[r], expected_engine_id=engine_id, expected_tp_size=tp_size)
-        plan = PeerPlan(self.table, [payloads[r] for r in targets], self.cfg.mode, coalesce=self.cfg.coalesce)
+        plan = PeerPlan(
+            self.table,
+            [replies[r].payload for r in targets],
+            self.cfg.mode,
+            coalesce=self.cfg.coalesce,
+            own_payload=self.payload,
+            expected_engine_id=engine_id,
+            expected_tp_size=tp_size,
+        )
         rows = {k: plan.local_rows(k) for k in plan.table_keys}
         ep = Endpoint(
             f"{self.name}->{engine_id}",
@@ -229,7 +234,7 @@ class WorkerHalf:
                     _remote_tables(plan, r),
                     rank=r,
                     timeout_s=self.cfg.handshake_timeout_s,
-                    expected_payload=payloads[r],
+                    reply=replies[r],
                 )
         except BaseException:
             ep.close()
