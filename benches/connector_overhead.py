@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import random
-import socket
 import statistics
 import tempfile
 from pathlib import Path
@@ -34,28 +32,10 @@ from typing import Any
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-connector-overhead-bench")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from vllm_harness import Engine, EngineSpec, prompt, run_until, write_model_dirs  # noqa: E402
+from vllm_harness import Engine, EngineSpec, prompt, run_until, side_channel_ports, write_model_dirs  # noqa: E402
 
 PARTS = ("worker_post_s", "worker_control_s", "worker_poll_s")  # parts of the worker half (stats.TIMERS)
 PREFILL_BATCH = 4  # requests per prefill step: 4 x at most 955 tokens stay under the 4096-token budget
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ports() -> tuple[int, int]:
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, 32000, 100)
-        if all(_free(base + off + r) for off in (0, 50) for r in range(4)):
-            return base, base + 50
-    raise RuntimeError("no free side-channel ports between 10000 and 32000")
 
 
 def _prefilled(p: Engine, names: list[str]) -> bool:
@@ -86,7 +66,7 @@ def _reset(e: Engine) -> None:
 
 
 def measure(model_dir: str, p_tp: int, d_tp: int, requests: int) -> dict[str, Any]:
-    p_port, d_port = _ports()
+    p_port, d_port = side_channel_ports(2)
     p = Engine.start(EngineSpec("prefill", "kimi", model_dir, p_tp, "pull", p_port, num_blocks=1024))
     d = Engine.start(EngineSpec("decode", "kimi", model_dir, d_tp, "pull", d_port, num_blocks=1024))
     try:

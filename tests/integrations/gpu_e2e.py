@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import socket
 import sys
 import tempfile
 import time
@@ -42,30 +40,11 @@ def cuda_devices() -> tuple[int, str]:
     return int(torch.cuda.device_count()), ""
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ports() -> tuple[int, int]:
-    """Side-channel base ports of the two engines, free now and below the ephemeral range."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, 32000, 100)
-        if all(_free(base + off + r) for off in (0, 50) for r in range(8)):
-            return base, base + 50
-    raise RuntimeError("no free side-channel ports between 10000 and 32000")
-
-
 def run_case(models: dict[str, str], mode: str, p_tp: int, d_tp: int, lengths: list[int]) -> dict[str, Any]:
     """One P -> D transfer on CUDA memory, every byte checked; returns what was measured."""
-    from vllm_harness import Engine, EngineSpec, move, verify_moved
+    from vllm_harness import Engine, EngineSpec, move, side_channel_ports, verify_moved
 
-    p_port, d_port = _ports()
+    p_port, d_port = side_channel_ports(2)
     p = Engine.start(EngineSpec("prefill", "kimi", models["kimi"], p_tp, mode, p_port, device="cuda"))
     try:
         d = Engine.start(EngineSpec("decode", "kimi", models["kimi"], d_tp, mode, d_port, device="cuda"))

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from vllm_harness import Engine, EngineSpec, move, verify_moved, write_model_dirs
+from vllm_harness import Engine, EngineSpec, move, verify_moved
 
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -85,11 +85,6 @@ def hosts() -> Iterator[tuple[Host, Host]]:
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
         left = [ns for ns in (a, b) if ns in _ip("netns", "list").split()]
         assert not left, f"network namespaces {left} survived the clean-up"
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return write_model_dirs(tmp_path_factory.mktemp("models"))
 
 
 def _stats_bytes(engine: Engine) -> int:

@@ -10,12 +10,10 @@ directory out of a pytest run in a venv without vLLM.
 from __future__ import annotations
 
 import os
-import random
-import socket
 from typing import Any
 
 import pytest
-from vllm_harness import Engine, EngineSpec, prompt, run_until, write_model_dirs  # noqa: E402
+from vllm_harness import Engine, EngineSpec, prompt, run_until, side_channel_ports  # noqa: E402
 
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -23,33 +21,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 CONTENT_TOKENS = 2048
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return write_model_dirs(tmp_path_factory.mktemp("models"))
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ports() -> tuple[int, int]:
-    """Side-channel base ports of the two engines (rank r listens on base + r), free now and below the
-    ephemeral range (32768 and up here), where connections' local ports would collide with them."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, 32000, 100)
-        if all(_free(base + off + r) for off in (0, 50) for r in range(4)):
-            return base, base + 50
-    raise RuntimeError("no free side-channel ports between 10000 and 32000")
-
-
 def _transfer(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int]) -> Any:
-    p_port, d_port = _ports()
+    p_port, d_port = side_channel_ports(2)
     p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port))
     d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port))
     try:

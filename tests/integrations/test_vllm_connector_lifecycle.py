@@ -16,45 +16,29 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import signal
-import socket
 import time
 from typing import Any
 
 import numpy as np
 import pytest
-from vllm_harness import KB, Content, Engine, EngineSpec, Memory, build, prompt, run_until, write_model_dirs
+from vllm_harness import (
+    KB,
+    Content,
+    Engine,
+    EngineSpec,
+    Memory,
+    build,
+    prompt,
+    run_until,
+    side_channel_ports,
+)
 
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 CONTENT_TOKENS = 2048
 STEP_BOUND_S = 1.0  # a decode step (scheduler + every worker's hooks) while a handshake is stuck
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return write_model_dirs(tmp_path_factory.mktemp("models"))
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ports(n: int) -> list[int]:
-    """``n`` side-channel base ports (rank r listens on base + r), free now and below the ephemeral range."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, 32000, 100)
-        if all(_free(base + 20 * i + r) for i in range(n + 1) for r in range(4)):
-            return [base + 20 * i for i in range(n)]
-    raise RuntimeError("no free side-channel ports between 10000 and 32000")
 
 
 class Outputs:
@@ -207,7 +191,7 @@ def test_slow_handshake_does_not_block_steps(model_dirs: dict[str, str]) -> None
     the requests wait (WAITING_FOR_REMOTE_KVS), then land byte-exact once the prefill resumes."""
     from vllm.v1.request import RequestStatus
 
-    p_port, d_port = _ports(2)
+    p_port, d_port = side_channel_ports(2)
     p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "pull", p_port))
     d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 2, "pull", d_port))
     try:
@@ -251,7 +235,7 @@ def test_failed_handshake_fails_exactly_its_request(model_dirs: dict[str, str], 
     from vllm.v1.engine import FinishReason
     from vllm.v1.request import RequestStatus
 
-    p_port, d_port, ghost_port = _ports(3)
+    p_port, d_port, ghost_port = side_channel_ports(3)
     p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 2, "pull", p_port))
     d_spec = EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "pull", d_port, extra=(("handshake_timeout_s", 1.5),))
     d = Engine.start(d_spec)
@@ -304,7 +288,7 @@ def _two_prefills_one_killed(
     then prefills another, B's worker is killed, and the decode schedules both new requests (``d-a1`` from A,
     ``d-b1`` from B) in one step and runs until both finished. Returns the engines, the decode's outputs spy
     and the verify arguments of the first round."""
-    a_port, b_port, d_port = _ports(3)
+    a_port, b_port, d_port = side_channel_ports(3)
     a = Engine.start(EngineSpec("prefill-a", model, model_dirs[model], 1, "pull", a_port))
     b = Engine.start(EngineSpec("prefill-b", model, model_dirs[model], 1, "pull", b_port))
     d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, "pull", d_port, extra=d_extra))
@@ -400,7 +384,7 @@ def test_expired_lease_is_a_load_failure(model_dirs: dict[str, str]) -> None:
     fresh request of the same step lands byte-exact; the prefill counted one expired lease."""
     from vllm.v1.engine import FinishReason
 
-    p_port, d_port = _ports(2)
+    p_port, d_port = side_channel_ports(2)
     p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "pull", p_port, extra=(("lease_s", 6.0),)))
     d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 2, "pull", d_port))
     outputs = Outputs(d)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 import traceback
@@ -313,6 +314,27 @@ class Memory:
 
 
 # ---------------------------------------------------------------------------------------------- worker process
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def side_channel_ports(n: int, ranks: int = 8, spacing: int = 50) -> list[int]:
+    """``n`` side-channel base ports, ``spacing`` apart (rank r of engine i listens on base_i + r, r < ``ranks``),
+    free now and below the ephemeral range (32768 and up here), where connections' local ports would collide
+    with them."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 32000, 100)
+        if all(_port_free(base + spacing * i + r) for i in range(n) for r in range(ranks)):
+            return [base + spacing * i for i in range(n)]
+    raise RuntimeError("no free side-channel ports between 10000 and 32000")
 
 
 def _free_port() -> int:
