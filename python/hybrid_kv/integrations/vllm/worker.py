@@ -46,11 +46,6 @@ clock skew between hosts up to this much); a read ending later may have read blo
 already freed and reused, and fails (vLLM then applies its ``kv_load_failure_policy``)."""
 
 
-def _row_index(rows: npt.NDArray[np.uint64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    counts = np.ones(rows.shape[0], dtype=np.int64) if rows.shape[1] == 3 else rows[:, 4].astype(np.int64)
-    return np.cumsum(counts), rows[:, 1].astype(np.int64)
-
-
 @dataclass
 class _Link:
     """This worker's active endpoint towards one peer engine."""
@@ -61,7 +56,6 @@ class _Link:
     addresses: dict[int, str]
     plan: PeerPlan
     ep: Endpoint
-    index: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
     rows: dict[str, npt.NDArray[np.uint64]]
 
 
@@ -240,9 +234,7 @@ class WorkerHalf:
             ep.close()
             raise
         log.info("hybrid-kv %s: connected to %s ranks %s (tp ratio %d)", self.name, engine_id, targets, plan.tp_ratio)
-        return _Link(
-            engine_id, tp_size, targets, addresses, plan, ep, {k: _row_index(v) for k, v in rows.items()}, rows
-        )
+        return _Link(engine_id, tp_size, targets, addresses, plan, ep, rows)
 
     def _link(self, engine_id: str, host: str, port: int, tp_size: int, job: RecvReq | str) -> _Link | None:
         """The link to ``engine_id`` if its handshake is done; else start it (once) in the background, park
@@ -498,13 +490,8 @@ class WorkerHalf:
         kernel_len = self.table.block_lens
         bases = self.table.base_addrs
         for f in failed:
-            rows = link.rows[f.local_key]
-            ends, _ = link.index[f.local_key]
-            ids = np.asarray(f.local_ids, dtype=np.int64)
-            row = np.searchsorted(ends, ids, side="right")
-            start = ends[row] - (rows[row, 4].astype(np.int64) if rows.shape[1] == 5 else 1)
-            stride = rows[row, 3].astype(np.int64) if rows.shape[1] == 5 else np.zeros_like(ids)
-            addrs = rows[row, 0].astype(np.int64) + (ids - start) * stride
+            # the failed descriptors' addresses, from the table Rust expands (rare path: no cache)
+            addrs = link.plan.local_descs(f.local_key)[np.asarray(f.local_ids, dtype=np.int64), 0]
             for a in addrs.tolist():
                 for base, klen in zip(bases, kernel_len, strict=True):
                     off = a - base
