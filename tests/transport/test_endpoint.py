@@ -157,9 +157,15 @@ def test_a_fetched_reply_is_connected_from_without_fetching_again() -> None:
 
 
 def test_handshake_timeout_fails_waiting_requests(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
+    import os
+
+    from hybrid_kv.transport import curve
+
     _, d, _, _ = pair
     ctx = zmq.Context()
-    mute = ctx.socket(zmq.ROUTER)
+    mute = ctx.socket(zmq.ROUTER)  # a CURVE server of the deployment (admitting anyone) that never answers
+    mute.setsockopt(zmq.CURVE_SERVER, 1)
+    mute.setsockopt(zmq.CURVE_SECRETKEY, curve.derive_keys(os.environ["HYBRID_KV_SECRET"].encode()).server_secret)
     port = mute.bind_to_random_port("tcp://127.0.0.1")
     try:
         d.begin_connect(0, f"tcp://127.0.0.1:{port}", tables_from_payload, timeout_s=0.4)

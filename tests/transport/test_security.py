@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import struct
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import zmq
 from _peers import Peer, expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
+from _wire import peak_rss_growth
 
 from hybrid_kv.transport import Endpoint, HandshakeError, TransferError
 from hybrid_kv.transport import endpoint as endpoint_mod
 from hybrid_kv.transport.auth import SECRET_ENV
 from hybrid_kv.transport.netif import UCX_DEVICES_ENV, interface_of
-from hybrid_kv.transport.side_channel import PROTOCOL
 
 ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
 
@@ -71,14 +73,14 @@ def test_a_process_without_the_secret_can_neither_read_nor_control(
     monkeypatch.delenv(SECRET_ENV)
     loot = pattern(3)
     with Endpoint("D", registration(loot.ctypes.data), tables(loot.ctypes.data), listen=None) as thief:
-        with pytest.raises(HandshakeError, match="answered with an error: request failed authentication"):
+        with pytest.raises(HandshakeError, match=f"peer at {p.address} failed authentication"):
             thief.connect(0, p.address, tables_from_payload, timeout_s=2.0)
-        with pytest.raises(TransferError, match="request failed authentication"):
+        with pytest.raises(TransferError, match=f"peer at {p.address} failed authentication"):
             thief.send_control(p.address, b"register r1 blocks 0,1")  # claims to be "D"
         assert thief.handle_counts()["remote_agents"] == 0
     assert served == []
     assert not any(p.poll().control for _ in range(20))
-    assert len(refusals(caplog, "refused a request from 127.0.0.1")) == 1, caplog.text
+    assert len(refusals(caplog, "refused a connection: it does not speak CURVE")) == 1, caplog.text
 
 
 def test_a_server_without_the_secret_cannot_pose_as_a_peer(
@@ -86,7 +88,7 @@ def test_a_server_without_the_secret_cannot_pose_as_a_peer(
 ) -> None:
     _, d, _, _ = pair
     fake_buf = pattern(4)
-    with endpoint("P", fake_buf, secret="another deployment's secret") as fake:
+    with endpoint("P", fake_buf, secret=secrets.token_hex(32)) as fake:  # another deployment's secret
         with pytest.raises(HandshakeError, match=f"peer at {fake.address} failed authentication"):
             d.connect(0, fake.address, tables_from_payload, timeout_s=2.0)
         with pytest.raises(TransferError, match=f"peer at {fake.address} failed authentication"):
@@ -99,10 +101,13 @@ def test_a_side_channel_needs_a_secret_or_an_explicit_opt_out(monkeypatch: pytes
     src, dst = pattern(5), pattern(6)
     monkeypatch.delenv(SECRET_ENV)
     no_secret = r"^endpoint 'P' has a side channel but no secret: pass secret=\.\.\. or set HYBRID_KV_SECRET"
-    with pytest.raises(ValueError, match=no_secret + r" \(or insecure=True to run it unauthenticated\)$"):
+    generate = r"generate one with: python -c \"import secrets; print\(secrets.token_hex\(32\)\)\""
+    with pytest.raises(ValueError, match=no_secret + rf" \({generate}; or insecure=True to run it unauthenticated\)$"):
         endpoint("P", src)
-    with pytest.raises(ValueError, match="the secret argument is 5 bytes; at least 16 are required"):
+    with pytest.raises(ValueError, match="the secret argument is 5 bytes; at least 32 are required"):
         endpoint("P", src, secret="short")
+    with pytest.raises(ValueError, match="the secret argument has only 1 distinct byte values"):
+        endpoint("P", src, secret=bytes(32))
     with endpoint("P", src, insecure=True) as p, endpoint("D", dst, insecure=True) as d:  # both opted out
         before = dst.copy()
         d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
@@ -140,7 +145,7 @@ def test_a_peer_serving_another_agents_metadata_is_refused(
 
 def test_expected_name_and_payload_bind_a_connection(pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray]) -> None:
     p, d, src, _ = pair
-    with pytest.raises(HandshakeError, match="refused: it is 'P', expected 'Q'"):
+    with pytest.raises(HandshakeError, match="answered with an error: request meant for 'Q', this endpoint is 'P'"):
         d.connect(0, p.address, tables_from_payload, timeout_s=2.0, expected_name="Q")
     with pytest.raises(HandshakeError, match="served a 8-byte payload that differs from the expected 3 bytes"):
         d.connect(0, p.address, tables_from_payload, timeout_s=2.0, expected_payload=b"abc")
@@ -160,7 +165,7 @@ def test_a_control_message_cannot_redirect_writes_into_another_decode() -> None:
             evil = {"rid": "push-evil", "address": d2.address, "key": "whole", "src": [0, 1], "dst": [2, 3]}
             forger.send_control(p.address, json.dumps(evil).encode())
         msg = p.expect("failed", 5.0)
-        assert msg[1] == "push-evil" and "it is 'D2', expected 'D'" in msg[2], msg
+        assert msg[1] == "push-evil" and "request meant for 'D', this endpoint is 'D2'" in msg[2], msg
         end = time.monotonic() + 0.3
         while time.monotonic() < end:  # D2 is progressed, as a live decode would be: nothing arrives
             assert not d2.poll()
@@ -177,37 +182,30 @@ def test_a_control_message_cannot_redirect_writes_into_another_decode() -> None:
 # ---------------------------------------------------------------------------- 3. resource limits
 
 
-def _peak_rss_growth() -> Callable[[], int]:
-    """Reset this process's peak RSS (``VmHWM``); the returned function gives how far the peak rose above
-    the RSS at the reset (transient buffers count even after they were freed)."""
-
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    base = status("VmRSS")
-    return lambda: status("VmHWM") - base
+_OVERSIZE_SENDER = """
+import os, sys, zmq
+from hybrid_kv.transport import curve
+from hybrid_kv.transport.side_channel import PROTOCOL, REQUEST_ID_BYTES
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+curve.make_client(sock, curve.derive_keys(os.environ["HYBRID_KV_SECRET"].encode()))
+sock.connect(sys.argv[1])
+sock.send_multipart([PROTOCOL, b"ctrl", os.urandom(REQUEST_ID_BYTES), b"", b"D", b"x" * (512 << 20)])
+print("answered" if sock.poll(3000) else "not answered", flush=True)
+"""
 
 
 def test_an_oversize_control_frame_is_dropped_before_it_is_buffered(
     pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
 ) -> None:
-    """512 MiB in one control frame: never answered, never queued, and the receiver never buffers it."""
+    """512 MiB in one control frame from a secret holder (another process: CURVE encrypts on the sender's side):
+    never answered, never queued, and the receiver never buffers it."""
     p, d, _, _ = pair
-    big = b"x" * (512 << 20)  # allocated and touched before the baseline
-    growth = _peak_rss_growth()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(p.address)
-        nonce = os.urandom(16)
-        sock.send_multipart([PROTOCOL, b"ctrl", nonce, struct.pack(">d", time.time()), b"D", big, b""], copy=False)
-        assert not sock.poll(3000), "an oversize control frame was answered"
-    finally:
-        sock.close(linger=0)
-        ctx.destroy(linger=0)
+    growth = peak_rss_growth()
+    sender = subprocess.run(
+        [sys.executable, "-c", _OVERSIZE_SENDER, p.address], capture_output=True, text=True, timeout=60
+    )
+    assert sender.stdout.strip() == "not answered", sender.stdout + sender.stderr
     d.send_control(p.address, b"small")  # the server is alive and past the oversize frame
     assert [m.payload for m in p.poll().control] == [b"small"]
     assert growth() < 64 << 20, f"peak RSS rose by {growth() / 2**20:.0f} MiB"

@@ -58,8 +58,9 @@ class Endpoint:
             channel binds it and UCX is restricted to the network interface owning that IPv4 address
             (``UCX_NET_DEVICES``, set while the backend is created; see ``netif``; ``tcp://*:PORT``
             restricts nothing). ``None``: no side channel, and UCX restricted to loopback.
-        secret: the deployment's shared side-channel secret (``str`` or ``bytes``, at least 16 bytes);
-            ``None`` reads ``HYBRID_KV_SECRET``. Every side-channel request and reply is authenticated with it.
+        secret: the deployment's shared side-channel secret (``str`` or ``bytes``, at least 32 bytes, not
+            degenerate; see ``auth``); ``None`` reads ``HYBRID_KV_SECRET``. The side channel's CURVE keys derive
+            from it: every side-channel connection is authenticated and encrypted (``curve``).
         insecure: ``True`` runs the side channel without authentication (``secret`` must be ``None``;
             ``HYBRID_KV_SECRET`` is ignored): any process reaching the port can then read the NIXL metadata
             and so read and write the registered memory.
@@ -128,9 +129,7 @@ class Endpoint:
         try:
             self._agent.open(registration, local_tables, backend, ucx_error_handling_mode, net_device, huge_pages)
             if listen is not None:
-                self._server = SideChannelServer(
-                    self._ctx, listen, self._serve_meta, self._on_control, name=name, key=self._key
-                )
+                self._server = SideChannelServer(listen, self._serve_meta, self._on_control, name=name, key=self._key)
         except BaseException:
             self.close()
             raise
@@ -313,7 +312,8 @@ class Endpoint:
         """Deliver an opaque control payload to the endpoint serving ``address`` and wait for its ack.
 
         The receiver sees this endpoint's name as the authenticated ``ControlMessage.sender``.
-        ``expected_name``: the acknowledging endpoint must have that name.
+        ``expected_name``: the endpoint meant; the message names it, and any other endpoint refuses it
+        before acting on it.
 
         Raises:
             TransferError: a payload over ``side_channel.MAX_CONTROL_BYTES``, no acknowledgement within
@@ -322,7 +322,9 @@ class Endpoint:
         """
         self._check_open()
         try:
-            acked_by = send_control(self._ctx, address, payload, self.name, timeout_s, key=self._key)
+            acked_by = send_control(
+                self._ctx, address, payload, self.name, timeout_s, key=self._key, to=expected_name
+            )
         except ChannelError as exc:
             raise TransferError(f"control message to {address} failed: {exc}") from exc
         if expected_name is not None and acked_by != expected_name:

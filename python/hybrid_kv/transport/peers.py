@@ -201,7 +201,14 @@ class Peers:
         """Handshake thread: only ZeroMQ here; NIXL work happens in ``_finish``."""
         try:
             peer.result = fetch_named_meta(
-                self._ctx, peer.address, peer.rank, self._name, timeout_s, self._stop, key=self._key
+                self._ctx,
+                peer.address,
+                peer.rank,
+                self._name,
+                timeout_s,
+                self._stop,
+                key=self._key,
+                to=peer.expected_name,
             )
         except BaseException as exc:
             peer.result = exc

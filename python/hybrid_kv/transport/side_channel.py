@@ -1,4 +1,4 @@
-"""The handshake side channel: a small authenticated ZeroMQ request/reply protocol with timeouts everywhere.
+"""The handshake side channel: a small ZeroMQ request/reply protocol, encrypted and authenticated with CURVE.
 
 A server (ROUTER, serviced by one background thread) answers two kinds of request:
 
@@ -9,36 +9,48 @@ A server (ROUTER, serviced by one background thread) answers two kinds of reques
 
 Frames (ROUTER identity omitted)::
 
-    request: [PROTOCOL, kind, nonce, sent_at, sender_name, arg, mac]   arg = rank (ASCII) | control payload
-    reply:   [PROTOCOL, nonce, b"ok",  server_name, *body, mac]         body = [payload, nixl_md] | []
-             [PROTOCOL, nonce, b"err", server_name, reason, mac]
+    request: [PROTOCOL, kind, request_id, to, sender_name, arg]   arg = rank (ASCII) | control payload
+    reply:   [PROTOCOL, request_id, b"ok",  server_name, *body]    body = [payload, nixl_md] | []
+             [PROTOCOL, request_id, b"err", server_name, reason]
 
-``nonce`` is 16 fresh random bytes per call, echoed by the reply; ``sent_at`` the sender's wall clock
-(big-endian float64 seconds); ``mac`` the HMAC-SHA256 tag of every other frame (see ``auth``), or empty
-when both sides run without a secret. A server with a secret answers a request that fails
-authentication, is malformed, or is a replay with an ``err`` reply (``server_name`` empty), logs it once
-per peer address under ``hybrid_kv.transport``, and never passes it to ``meta`` or ``on_control``. A
-client with a secret refuses any reply whose tag does not verify.
+``request_id`` is 16 fresh random bytes per call, echoed by the reply; ``to`` the name of the endpoint the
+request is meant for (empty: whichever serves the address, for a first contact). A server refuses a request
+meant for another endpoint, so a message delivered to the wrong server is never acted on, and a client
+refuses a reply from an endpoint other than the one it named.
 
-Sizes are bounded: the ROUTER drops (disconnects) a peer sending any frame over ``MAX_REQUEST_FRAME_BYTES``
-before buffering it, each field has its own limit, and clients refuse reply frames over
-``MAX_REPLY_FRAME_BYTES``. Clients use a fresh DEALER socket per call and wait with ``poll``; nothing
-blocks forever.
+Security (with the deployment's secret; see ``curve``): every connection is a ZeroMQ CURVE connection whose
+keys derive from the secret. A server admits only clients holding the deployment's client key (its ZAP
+handler, run by the server's own thread) and a client only completes the handshake with a server holding the
+deployment's server key, so a peer without the secret is disconnected inside the ZMTP handshake, before any
+application frame is buffered, in either direction: it gets no reply at all, and it cannot make either side
+buffer a message. Every frame is then encrypted and authenticated under keys fresh for that connection: the
+NIXL metadata never crosses the network in the clear, and a captured message cannot be read, changed, or
+replayed into any connection. Nothing depends on clocks: a request that waited in a queue is answered like any
+other. Refused handshakes are logged under ``hybrid_kv.transport`` once per peer address (ZAP refusals) or
+once per kind of failure; a client reports why its handshake failed at once (``failed authentication``)
+instead of waiting for its timeout. ``insecure`` endpoints (no secret) speak the same frames in the clear.
+
+Sizes are bounded: ``MAXMSGSIZE`` makes ZeroMQ drop (disconnect) a peer sending any frame over
+``MAX_REQUEST_FRAME_BYTES`` (server) or ``MAX_REPLY_FRAME_BYTES`` (client) before buffering it, the handshake's
+commands are bounded the same way, and each field has its own limit. ZeroMQ has no bound on the number of frames
+of one message: a secret holder can still make a peer buffer without limit (see ARCHITECTURE.md). Clients use
+a fresh DEALER socket per call and wait with ``poll``; nothing blocks forever.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from .auth import MAC_BYTES, NONCE_BYTES, REPLY, REQUEST, ReplayGuard, resolve_secret, tag, verify
+from . import curve
+from .auth import resolve_secret
 
 __all__ = [
     "MAX_CONTROL_BYTES",
@@ -55,14 +67,14 @@ __all__ = [
     "send_control",
 ]
 
-PROTOCOL = b"hkv-sc/2"
+PROTOCOL = b"hkv-sc/3"
 
 MAX_CONTROL_BYTES = 1 << 20
 """The largest control payload accepted (1 MiB); larger ones are refused before they are sent or buffered."""
 
-MAX_REQUEST_FRAME_BYTES = MAX_CONTROL_BYTES
-"""ZeroMQ ``MAXMSGSIZE`` of the server socket: a peer sending a larger frame is disconnected by ZeroMQ
-before the frame is buffered (no reply is possible then)."""
+MAX_REQUEST_FRAME_BYTES = MAX_CONTROL_BYTES + 64
+"""ZeroMQ ``MAXMSGSIZE`` of the server socket (a control payload plus CURVE's per-frame overhead): a peer
+sending a larger frame, or a larger handshake command, is disconnected by ZeroMQ before it is buffered."""
 
 MAX_REPLY_FRAME_BYTES = 64 << 20
 """The largest reply frame a client accepts (ZeroMQ ``MAXMSGSIZE`` of its socket): handshake payloads
@@ -80,12 +92,21 @@ MAX_LOGGED_PEERS = 1024
 SERVER_RCVHWM = 64
 """Messages the server socket queues per connection before it stops reading from that peer."""
 
+HANDSHAKE_TIMEOUT_MS = 5000
+"""A connection that has not completed its ZMTP (CURVE) handshake within this time is closed by the server."""
+
+REQUEST_ID_BYTES = 16
+"""Length of a request's random id (echoed by its reply)."""
+
 _META = b"meta"
 _CTRL = b"ctrl"
 _OK = b"ok"
 _ERR = b"err"
 _TICK_MS = 50  # how often the server thread checks for shutdown
 _MAX_RANK_DIGITS = 9
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 log = logging.getLogger("hybrid_kv.transport")
 
@@ -106,46 +127,35 @@ class MetaReply(NamedTuple):
 
 
 class _Refused(Exception):
-    """A request the server refuses before it reaches the owner's callbacks (reason, whether to log it)."""
-
-    def __init__(self, reason: str, logged: bool = True) -> None:
-        super().__init__(reason)
-        self.logged = logged
+    """A request the server refuses before it reaches the owner's callbacks."""
 
 
 class SideChannelServer:
-    """Serves ``meta`` and ``ctrl`` requests on ``address`` from one background thread.
+    """Serves ``meta`` and ``ctrl`` requests on ``address`` from one background thread, in its own ZeroMQ context
+    (whose ZAP handler, run by the same thread, admits only the deployment's clients).
 
     Args:
-        ctx: the ZeroMQ context to use.
         address: a ZeroMQ endpoint to bind, e.g. ``"tcp://127.0.0.1:0"`` (port 0 = any free port).
         meta: called from the server thread with the requested rank; returns
             ``(payload, nixl_metadata)``. An exception is sent back to the peer as the reason.
         on_control: called from the server thread with ``(sender, payload)`` for each authenticated control
             message; an exception refuses the message and is sent back as the reason.
-        name: this endpoint's name, sent in every authenticated reply.
-        key: the shared secret (``None``: unauthenticated, both ways).
+        name: this endpoint's name, sent in every reply; requests meant for another name are refused.
+        key: the deployment secret (``None``: no CURVE, unauthenticated and in the clear, both ways).
 
     Raises:
-        ChannelError: the address cannot be bound.
+        ChannelError: the address cannot be bound, or this libzmq has no CURVE.
     """
 
-    def __init__(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        address: str,
-        meta: MetaFn,
-        on_control: ControlFn,
-        *,
-        name: str,
-        key: bytes | None,
-    ) -> None:
-        self._ctx = ctx
+    def __init__(self, address: str, meta: MetaFn, on_control: ControlFn, *, name: str, key: bytes | None) -> None:
+        try:
+            self._keys = curve.derive_keys(key) if key is not None else None
+        except ValueError as exc:
+            raise ChannelError(str(exc)) from None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._meta = meta
         self._on_control = on_control
         self._name = name.encode()
-        self._key = key
-        self._guard = ReplayGuard()
         self._logged: set[str] = set()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -165,99 +175,149 @@ class SideChannelServer:
         return self._bound
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the server thread and close its socket (idempotent)."""
+        """Stop the server thread, which closes its sockets and its context (idempotent)."""
         self._stop.set()
         self._thread.join(timeout_s)
 
     def _run(self, address: str) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME_BYTES)
-        sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
+        sockets: list[zmq.Socket[bytes]] = []
         try:
-            sock.bind(address)
-            self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            sock, zap, monitor = self._open(address, sockets)
         except zmq.ZMQError as exc:
             self._bind_error = exc
-            sock.close()
+            self._shut(sockets)
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        for s in sockets:
+            poller.register(s, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(_TICK_MS, zmq.POLLIN):
+                ready = dict(poller.poll(_TICK_MS))
+                if zap is not None and zap in ready:
+                    self._admit_peer(zap)
+                if monitor is not None and monitor in ready:
+                    self._log_handshake(monitor)
+                if sock in ready:
                     frames = sock.recv_multipart(copy=False)
-                    peer = _peer_address(frames[0])
-                    reply = self._handle([f.bytes for f in frames[1:]], peer)
+                    reply = self._handle([f.bytes for f in frames[1:]], _peer_address(frames[0]))
                     sock.send_multipart([frames[0].bytes, *reply], zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # context terminated or peer vanished mid-send: the owner is shutting down
+            pass  # peer vanished mid-send: the owner is shutting down
         finally:
-            sock.close(linger=0)
+            self._shut(sockets)
+
+    def _open(
+        self, address: str, sockets: list[zmq.Socket[bytes]]
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, zmq.Socket[bytes] | None]:
+        """The ROUTER (bound), and with CURVE its ZAP handler socket (bound first) and its handshake monitor."""
+        zap = monitor = None
+        if self._keys is not None:
+            zap = self._ctx.socket(zmq.REP)
+            sockets.append(zap)
+            zap.setsockopt(zmq.LINGER, 0)
+            zap.bind(curve.ZAP_ENDPOINT)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sockets.append(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME_BYTES)
+        sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+        if self._keys is not None:
+            curve.make_server(sock, self._keys)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            sockets.append(monitor)
+        sock.bind(address)
+        self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock, zap, monitor
+
+    def _shut(self, sockets: list[zmq.Socket[bytes]]) -> None:
+        for s in sockets:
+            s.close(linger=0)
+        self._ctx.term()
+
+    def _admit_peer(self, zap: zmq.Socket[bytes]) -> None:
+        """Answer one ZAP request: admit only the deployment's CURVE client key."""
+        assert self._keys is not None
+        reply, refusal = curve.zap_reply(zap.recv_multipart(), self._keys)
+        zap.send_multipart(reply)
+        if refusal is not None:
+            peer, _, reason = refusal.partition(": ")
+            self._log_refusal(peer, f"a connection from {peer}", reason)
+
+    def _log_handshake(self, monitor: zmq.Socket[bytes]) -> None:
+        """Log a failed CURVE handshake once per protocol error (libzmq does not tell the peer's address)."""
+        event = parse_monitor_message(monitor.recv_multipart())
+        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return  # refused by the ZAP handler (which logged it, with the address), or the peer hung up
+        value = int(event["value"])
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            reason = "it does not speak CURVE (a peer without the secret, or not a hybrid-kv side channel)"
+        else:
+            reason = f"its CURVE handshake failed (protocol error {value:#x}): its HYBRID_KV_SECRET differs"
+        self._log_refusal(f"protocol error {value}", "a connection", reason)
 
     def _handle(self, frames: list[bytes], peer: str) -> list[bytes]:
         """The reply to one request (never raises)."""
-        nonce = frames[2][:NONCE_BYTES] if len(frames) > 2 else b""
+        request_id = frames[2][:REQUEST_ID_BYTES] if len(frames) > 2 else b""
         try:
             kind, sender, arg = self._admit(frames)
         except _Refused as exc:
-            if exc.logged:
-                self._log_refusal(peer, str(exc))
-            return self._reply(nonce, _ERR, [str(exc).encode()], named=False)
+            self._log_refusal(peer, f"a request from {peer}", str(exc))
+            return self._reply(request_id, _ERR, [str(exc).encode()])
         try:
             if kind == _META:
                 payload, nixl_md = self._meta(int(arg))
-                return self._reply(nonce, _OK, [payload, nixl_md])
+                return self._reply(request_id, _OK, [payload, nixl_md])
             self._on_control(sender, arg)
-            return self._reply(nonce, _OK, [])
+            return self._reply(request_id, _OK, [])
         except Exception as exc:  # the peer gets the reason; the server keeps serving
-            return self._reply(nonce, _ERR, [f"{type(exc).__name__}: {exc}".encode()])
+            return self._reply(request_id, _ERR, [f"{type(exc).__name__}: {exc}".encode()])
 
     def _admit(self, frames: list[bytes]) -> tuple[bytes, str, bytes]:
-        """Check a request's shape, limits, tag and freshness; returns ``(kind, sender, arg)``."""
+        """Check a request's shape, limits and destination; returns ``(kind, sender, arg)``."""
         if not frames or frames[0] != PROTOCOL:
             seen = frames[0][:32] if frames else b""
             raise _Refused(f"incompatible side-channel protocol {seen!r}, expected {PROTOCOL!r}")
-        if len(frames) != 7:
-            raise _Refused(f"malformed request: {len(frames)} frames, expected 7")
-        _, kind, nonce, sent_at, sender, arg, mac = frames
-        if len(nonce) != NONCE_BYTES or len(sent_at) != 8 or len(mac) > MAC_BYTES:
-            raise _Refused("malformed request: bad nonce, timestamp or MAC length")
-        if len(sender) > MAX_NAME_BYTES:
-            raise _Refused(f"malformed request: sender name of {len(sender)} bytes exceeds {MAX_NAME_BYTES}")
+        if len(frames) != 6:
+            raise _Refused(f"malformed request: {len(frames)} frames, expected 6")
+        _, kind, request_id, to, sender, arg = frames
+        if len(request_id) != REQUEST_ID_BYTES:
+            raise _Refused(f"malformed request: request id of {len(request_id)} bytes, expected {REQUEST_ID_BYTES}")
+        if len(sender) > MAX_NAME_BYTES or len(to) > MAX_NAME_BYTES:
+            raise _Refused(f"malformed request: an endpoint name longer than {MAX_NAME_BYTES} bytes")
+        if to and to != self._name:
+            raise _Refused(f"request meant for {_shown(to)}, this endpoint is {_shown(self._name)}")
         if kind == _META:
             if not (0 < len(arg) <= _MAX_RANK_DIGITS and arg.isdigit()):
                 raise _Refused(f"malformed request: rank must be 1 to {_MAX_RANK_DIGITS} ASCII digits")
         elif kind == _CTRL:
-            if len(arg) > MAX_CONTROL_BYTES:  # unreachable while MAXMSGSIZE bounds every frame; kept as the rule
+            if len(arg) > MAX_CONTROL_BYTES:
                 raise _Refused(f"control payload of {len(arg)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
         else:
             raise _Refused(f"unknown request kind {kind[:16]!r}")
-        if self._key is not None:
-            if not verify(self._key, REQUEST, frames[:6], mac):
-                raise _Refused("request failed authentication (missing or wrong MAC: check HYBRID_KV_SECRET)")
-            (when,) = struct.unpack(">d", sent_at)
-            stale = self._guard.check(nonce, when, time.time())
-            if stale is not None:
-                raise _Refused(stale)
         try:
             name = sender.decode("utf-8")
         except UnicodeDecodeError:
             raise _Refused("malformed request: sender name is not UTF-8") from None
         return kind, name, arg
 
-    def _reply(self, nonce: bytes, status: bytes, body: list[bytes], named: bool = True) -> list[bytes]:
+    def _reply(self, request_id: bytes, status: bytes, body: list[bytes]) -> list[bytes]:
         if status == _ERR:
             body = [body[0][:MAX_REASON_BYTES]]
-        frames = [PROTOCOL, nonce, status, self._name if named else b"", *body]
-        return [*frames, tag(self._key, REPLY, frames) if self._key is not None else b""]
+        return [PROTOCOL, request_id, status, self._name, *body]
 
-    def _log_refusal(self, peer: str, reason: str) -> None:
-        """Log a refused request once per peer address (at most ``MAX_LOGGED_PEERS`` addresses)."""
-        if peer in self._logged or len(self._logged) >= MAX_LOGGED_PEERS:
+    def _log_refusal(self, once: str, what: str, reason: str) -> None:
+        """Log a refusal once per ``once`` (a peer address or a kind of failure; at most ``MAX_LOGGED_PEERS``)."""
+        if once in self._logged or len(self._logged) >= MAX_LOGGED_PEERS:
             return
-        self._logged.add(peer)
-        log.warning("side channel %s refused a request from %s: %s (not logged again)", self._bound, peer, reason)
+        self._logged.add(once)
+        log.warning("side channel %s refused %s: %s (not logged again)", self._bound, what, reason)
+
+
+def _shown(name: bytes) -> str:
+    return repr(name[:64].decode("utf-8", "replace"))
 
 
 def _peer_address(frame: zmq.Frame) -> str:
@@ -265,6 +325,19 @@ def _peer_address(frame: zmq.Frame) -> str:
         return str(frame.get("Peer-Address"))
     except zmq.ZMQError:
         return "unknown peer"
+
+
+def _handshake_failure(event: int, value: int, *, keyed: bool) -> str:
+    """Why a client's ZMTP handshake failed, from its monitor event."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"it refused our CURVE key (ZAP status {value}): its HYBRID_KV_SECRET differs"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        if keyed:
+            return "it does not speak CURVE (no secret, insecure, or not a hybrid-kv side channel)"
+        return "it requires CURVE (the deployment's HYBRID_KV_SECRET) and this side has none (insecure)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"the CURVE handshake failed (protocol error {value:#x}): its HYBRID_KV_SECRET differs"
+    return "its ZMTP handshake failed (no detail: it hung up, or it does not speak the same security mechanism)"
 
 
 def fetch_named_meta(
@@ -276,17 +349,19 @@ def fetch_named_meta(
     stop: threading.Event | None = None,
     *,
     key: bytes | None,
+    to: str | None = None,
 ) -> MetaReply:
     """Ask the server at ``address`` for rank ``rank``'s metadata; the reply names the serving endpoint.
 
-    ``stop`` aborts the wait early (used when the owner shuts down). ``key`` is the shared secret
-    (``None``: unauthenticated).
+    ``stop`` aborts the wait early (used when the owner shuts down). ``key`` is the deployment secret
+    (``None``: unauthenticated, in the clear). ``to``: the name of the endpoint meant (it refuses the request
+    if it has another name, and a reply from another name is refused).
 
     Raises:
-        ChannelError: no reply within ``timeout_s``, a protocol mismatch, a failed authentication, a limit
-            exceeded, an error from the peer, or ``stop``.
+        ChannelError: no reply within ``timeout_s``, a failed handshake or authentication, a protocol mismatch,
+            a limit exceeded, an error from the peer, or ``stop``.
     """
-    name, body = _call(ctx, address, _META, sender, str(rank).encode("ascii"), timeout_s, stop, key)
+    name, body = _call(ctx, address, _META, sender, str(rank).encode("ascii"), timeout_s, stop, key, to)
     if len(body) != 2:
         raise ChannelError(f"malformed meta reply from {address}: {len(body)} frames, expected 2")
     return MetaReply(name, body[0], body[1])
@@ -301,6 +376,7 @@ def fetch_meta(
     stop: threading.Event | None = None,
     *,
     secret: bytes | str | None = None,
+    to: str | None = None,
 ) -> tuple[bytes, bytes]:
     """Ask the server at ``address`` for rank ``rank``'s ``(payload, nixl_metadata)``.
 
@@ -309,7 +385,7 @@ def fetch_meta(
     Raises:
         ChannelError: as ``fetch_named_meta``, or no secret.
     """
-    reply = fetch_reply(ctx, address, rank, sender, timeout_s, stop, secret=secret)
+    reply = fetch_reply(ctx, address, rank, sender, timeout_s, stop, secret=secret, to=to)
     return reply.payload, reply.nixl_md
 
 
@@ -322,6 +398,7 @@ def fetch_reply(
     stop: threading.Event | None = None,
     *,
     secret: bytes | str | None = None,
+    to: str | None = None,
 ) -> MetaReply:
     """Ask the server at ``address`` for rank ``rank``'s whole reply (name, payload, NIXL metadata), as
     ``fetch_meta`` does; hand it to ``Endpoint.connect(..., reply=...)`` to connect from it without fetching
@@ -330,7 +407,7 @@ def fetch_reply(
     Raises:
         ChannelError: as ``fetch_named_meta``, or no secret.
     """
-    return fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=_client_key(secret))
+    return fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=_client_key(secret), to=to)
 
 
 def send_control(
@@ -341,16 +418,20 @@ def send_control(
     timeout_s: float,
     *,
     key: bytes | None,
+    to: str | None = None,
 ) -> str:
     """Deliver one control payload to the server at ``address``; returns the (authenticated) name that acknowledged it.
 
+    ``to``: the name of the endpoint meant; any other refuses the message before acting on it.
+
     Raises:
-        ChannelError: a payload over ``MAX_CONTROL_BYTES``, no acknowledgement within ``timeout_s``, a
-            protocol mismatch, a failed authentication, or an error from the peer (e.g. its queue is full).
+        ChannelError: a payload over ``MAX_CONTROL_BYTES``, no acknowledgement within ``timeout_s``, a failed
+            handshake or authentication, a protocol mismatch, or an error from the peer (e.g. its queue is full,
+            or it is not ``to``).
     """
     if len(payload) > MAX_CONTROL_BYTES:
         raise ChannelError(f"control payload of {len(payload)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
-    name, _ = _call(ctx, address, _CTRL, sender, payload, timeout_s, None, key)
+    name, _ = _call(ctx, address, _CTRL, sender, payload, timeout_s, None, key, to)
     return name
 
 
@@ -370,6 +451,13 @@ def _server_name(address: str, raw: bytes) -> str:
     raise ChannelError(f"malformed reply from {address}: server name must be 1 to {MAX_NAME_BYTES} bytes of UTF-8")
 
 
+def _encode_name(name: str, what: str) -> bytes:
+    raw = name.encode()
+    if len(raw) > MAX_NAME_BYTES:
+        raise ChannelError(f"{what} of {len(raw)} bytes exceeds the limit of {MAX_NAME_BYTES}")
+    return raw
+
+
 def _call(
     ctx: zmq.Context[zmq.Socket[bytes]],
     address: str,
@@ -379,46 +467,61 @@ def _call(
     timeout_s: float,
     stop: threading.Event | None,
     key: bytes | None,
+    to: str | None,
 ) -> tuple[str, list[bytes]]:
-    """One request and its verified reply: ``(server name, body)``."""
-    sender_b = sender.encode()
-    if len(sender_b) > MAX_NAME_BYTES:
-        raise ChannelError(f"endpoint name of {len(sender_b)} bytes exceeds the limit of {MAX_NAME_BYTES}")
-    deadline = time.monotonic() + timeout_s
-    nonce = os.urandom(NONCE_BYTES)
-    request = [PROTOCOL, kind, nonce, struct.pack(">d", time.time()), sender_b, arg]
-    request.append(tag(key, REQUEST, request) if key is not None else b"")
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
+    """One request and its reply over a fresh connection: ``(server name, body)``."""
+    sender_b = _encode_name(sender, "endpoint name")
+    to_b = _encode_name(to, "destination name") if to is not None else b""
     try:
+        keys = curve.derive_keys(key) if key is not None else None
+    except ValueError as exc:
+        raise ChannelError(str(exc)) from None
+    deadline = time.monotonic() + timeout_s
+    request_id = os.urandom(REQUEST_ID_BYTES)
+    sock = ctx.socket(zmq.DEALER)
+    monitor: zmq.Socket[bytes] | None = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
+        if keys is not None:
+            curve.make_client(sock, keys)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         sock.connect(address)
-        sock.send_multipart(request, zmq.NOBLOCK)
+        sock.send_multipart([PROTOCOL, kind, request_id, to_b, sender_b, arg], zmq.NOBLOCK)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise ChannelError(f"no reply from {address} within {timeout_s:g} s")
             if stop is not None and stop.is_set():
                 raise ChannelError("side-channel call cancelled: endpoint closing")
-            if not sock.poll(min(left_ms, _TICK_MS), zmq.POLLIN):
+            ready = dict(poller.poll(min(left_ms, _TICK_MS)))
+            if monitor in ready:
+                event = parse_monitor_message(monitor.recv_multipart())
+                why = _handshake_failure(event["event"], int(event["value"]), keyed=keys is not None)
+                raise ChannelError(f"peer at {address} failed authentication: {why}")
+            if sock not in ready:
                 continue
             reply = sock.recv_multipart()
             if reply[0] != PROTOCOL:
                 raise ChannelError(
                     f"incompatible side-channel protocol from {address}: {reply[0][:32]!r}, expected {PROTOCOL!r}"
                 )
-            if len(reply) < 5:
-                raise ChannelError(f"malformed reply from {address}: {len(reply)} frames")
-            if key is not None and not verify(key, REPLY, reply[:-1], reply[-1]):
-                why = "its reply carries no MAC" if not reply[-1] else "its reply's MAC does not match our secret"
-                raise ChannelError(f"peer at {address} failed authentication ({why})")
-            if reply[1] != nonce:
-                continue  # not the reply to this call (an old one replayed): ignore it
+            if len(reply) < 4 or reply[1] != request_id:
+                raise ChannelError(f"malformed reply from {address}: {len(reply)} frames, or another request's id")
+            name = _server_name(address, reply[3])
             if reply[2] != _OK:
-                reason = reply[4][:MAX_REASON_BYTES].decode("utf-8", "replace")
+                reason = reply[4][:MAX_REASON_BYTES].decode("utf-8", "replace") if len(reply) > 4 else "(none)"
                 raise ChannelError(f"peer at {address} answered with an error: {reason}")
-            return _server_name(address, reply[3]), reply[4:-1]
+            if to is not None and name != to:
+                raise ChannelError(f"peer at {address} answered as {name!r}, expected {to!r}")
+            return name, reply[4:]
     except zmq.ZMQError as exc:
         raise ChannelError(f"side channel to {address} failed: {exc}") from exc
     finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
         sock.close(linger=0)
