@@ -38,16 +38,27 @@ class RankPlanner:
         *,
         coalesce: bool = True,
         own_payload: bytes | None = None,
+        expected_engine_id: str | None = None,
+        expected_tp_size: int | None = None,
     ) -> None:
         """``payloads``: each peer rank's handshake payload (decoded once, in Rust, by ``PeerPlan``), validated
-        against ``own_payload`` first when that is given.
+        against ``own_payload`` first when that is given; ``expected_engine_id`` and ``expected_tp_size``, when
+        given, are what the peer engine must say it is.
 
         Raises:
             HandshakeError: a payload does not decode, or is incompatible with ``own_payload``.
             PlanError: the two sides cannot be planned together.
         """
         ordered = [payloads[r] for r in sorted(payloads)]
-        self.plan_ = PeerPlan(table, ordered, mode, coalesce=coalesce, own_payload=own_payload)
+        self.plan_ = PeerPlan(
+            table,
+            ordered,
+            mode,
+            coalesce=coalesce,
+            own_payload=own_payload,
+            expected_engine_id=expected_engine_id,
+            expected_tp_size=expected_tp_size,
+        )
         self.local_tables: dict[str, U64] = {key: self.plan_.local_rows(key) for key in self.plan_.table_keys}
 
     def remote_tables(self, rank: int) -> dict[str, U64]:

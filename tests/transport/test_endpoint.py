@@ -346,3 +346,28 @@ def test_nixl_telemetry_counts_merged_descriptors_and_bytes(
     assert ev.done == ["t"] and h.state is RequestState.DONE
     assert (h.stats.transfers, h.stats.descriptors, h.stats.bytes) == (2, 3, 6 * BLOCK)
     assert h.stats.post_s >= 0 and h.stats.transfer_s >= 0
+
+
+def test_peers_post_from_their_own_scope_of_local_tables(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
+) -> None:
+    """Local tables added after creation (one scope per peer engine) are prepped against the one registration;
+    a peer connected with ``local_scope`` posts from that scope only, and removing it releases its dlists."""
+    p, d, src, dst = pair
+    base = d.handle_counts()
+    d.add_local_tables("eng", {"only": tables(dst.ctypes.data)["halves"]})
+    with pytest.raises(ValueError, match="unknown local table scope 'nope'"):
+        d.begin_connect(5, p.address, tables_from_payload, local_scope="nope")
+    d.connect("eng/0", p.address, tables_from_payload, timeout_s=2.0, local_scope="eng")
+    assert d.handle_counts()["local_dlists"] == base["local_dlists"] + 1 and d.handle_counts()["registrations"] == 1
+    with pytest.raises(
+        TransferError, match=r"unknown local table 'whole' in scope 'eng' \(peer 'eng/0'\); known: \['only'\]"
+    ):
+        d.post("r", [("eng/0", "whole", "whole", ids(0), ids(0))], "READ", 1.0)
+    before = dst.copy()
+    d.post("r", [("eng/0", "only", "halves", ids(BLOCKS + 2), ids(5))], "READ", 2.0)
+    assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
+    assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 2], [5]))
+    d.disconnect("eng/0")
+    d.remove_local_tables("eng")
+    assert d.handle_counts() == base and d.local_scopes() == []

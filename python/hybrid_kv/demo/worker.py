@@ -86,6 +86,7 @@ class _Worker:
         self.other = side_of(spec, spec.remote_tp, other_side[0], other_side[1])
         self.ep: Any = None
         self.planner: Any = None
+        self.link: Any = None
 
     def send(self, kind: str, *payload: Any) -> None:
         self.outbox.put((kind, self.spec.role, self.spec.rank, *payload))
@@ -167,37 +168,22 @@ class _Worker:
             del pools_t
 
     def _connect(self, addresses: dict[int, str], registration: Any) -> None:
-        import zmq
-
         from .._core import handshake_target_ranks
-        from ..transport import Endpoint, HandshakeError
-        from ..transport.side_channel import ChannelError, fetch_reply
-        from .planning import validated_planner
+        from ..peer_link import attach_link, prepare_link
+        from ..transport import Endpoint
 
         spec = self.spec
-        targets = handshake_target_ranks(spec.rank, spec.tp, spec.remote_tp)
-        ctx: Any = zmq.Context()
-        try:  # each peer's reply is fetched once: validated, planned from and connected with
-            replies = {r: fetch_reply(ctx, addresses[r], r, spec.name, 10.0) for r in targets}
-        except ChannelError as exc:
-            raise HandshakeError(f"{spec.name}: fetching peer metadata failed: {exc}") from exc
-        finally:
-            ctx.destroy(linger=0)
+        targets = [int(r) for r in handshake_target_ranks(spec.rank, spec.tp, spec.remote_tp)]
+        self.ep = Endpoint(spec.name, registration, {})  # the memory is registered once, here
         t0 = time.perf_counter()
-        payloads = {r: reply.payload for r, reply in replies.items()}
-        self.planner = validated_planner(self.table, self.payload, payloads, spec.mode)
+        # each peer rank's reply is fetched once: validated, planned from and connected with
+        prepared = prepare_link(
+            self.table, self.payload, {r: addresses[r] for r in targets}, spec.mode, sender=spec.name, timeout_s=10.0
+        )
         plan_setup_s = time.perf_counter() - t0
-        self.ep = Endpoint(spec.name, registration, self.planner.local_tables)
         t0 = time.perf_counter()
-        for r in targets:
-            self.ep.connect(
-                r,
-                addresses[r],
-                lambda payload, r=r: self.planner.remote_tables(r),
-                rank=r,
-                timeout_s=10.0,
-                reply=replies[r],  # the bytes validated and planned from, not fetched again
-            )
+        self.link = attach_link(self.ep, prepared, "peer", timeout_s=10.0)
+        self.planner = self.link.planner
         connect_s = time.perf_counter() - t0
         self.send("connected", targets, plan_setup_s, connect_s, self.planner.table_shapes())
 
@@ -234,12 +220,14 @@ class _Worker:
         plans = []
         for r in self.requests:
             local, remote = (r.decode_ids, r.prefill_ids) if spec.role == "decode" else (r.prefill_ids, r.decode_ids)
-            plans.append(self.planner.plan(local, remote))
+            plans.append(self.link.transfers(local, remote))
         plan_s = time.perf_counter() - t0
         self.send("planned", plan_s)
         descs = sum(int(t.local_ids.size) for p in plans for t in p)
         nbytes = sum(self.planner.transfer_bytes(t) for p in plans for t in p)
-        targets = {r.rid: sorted({int(t.peer) for t in p}) for r, p in zip(self.requests, plans, strict=True)}
+        targets = {
+            r.rid: sorted({self.link.rank_of(t.peer) for t in p}) for r, p in zip(self.requests, plans, strict=True)
+        }
         if spec.mode == "push":
             self.send("targets", targets)
         pending = set()

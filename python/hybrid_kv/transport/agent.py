@@ -66,10 +66,15 @@ class Agent:
         name: the NIXL agent name.
         mem_type: NIXL memory type of the registration and of every prepped table.
 
+    Local tables live in scopes: the default scope (``None``: the tables given to ``open``) and named scopes
+    added later (``add_scope``: e.g. one per peer engine, its ``PeerPlan``'s local tables), each released as a
+    whole (``remove_scope``). A peer connected with a scope resolves its transfers' local keys there.
+
     Attributes:
         nixl: the underlying ``nixl_agent`` (for posting, checking and notifications).
-        tables: the local descriptor tables by key.
+        tables: the default scope's local descriptor tables by key.
         local: their prepped dlists by key.
+        scopes: each named scope's ``(tables, prepped dlists)`` by key.
         zombies: xfer handles NIXL refused to release (still in progress); retried by ``reap_zombies``.
         metadata: this agent's NIXL metadata, served to peers by the side channel.
     """
@@ -81,6 +86,7 @@ class Agent:
         self.nixl: Any = nixl_agent(name, config)
         self.tables: dict[str, CheckedTable] = {}
         self.local: dict[str, Any] = {}
+        self.scopes: dict[str, tuple[dict[str, CheckedTable], dict[str, Any]]] = {}
         self.zombies: list[Any] = []
         self.metadata = b""
         self.huge_pages: HugePageReport | None = None
@@ -120,16 +126,63 @@ class Agent:
         return self._reg is not None
 
     def close(self) -> None:
-        """Release the local dlists, deregister memory and forget the zombies (idempotent).
+        """Release the local dlists of every scope, deregister memory and forget the zombies (idempotent).
 
         NIXL frees the zombie handles itself when the agent is destroyed.
         """
         self.release_dlists(self.local)
+        for scope in list(self.scopes):
+            self.remove_scope(scope)
         if self._reg is not None:
             reg = self._reg
             quiet(lambda: self.nixl.deregister_memory(reg))
             self._reg = None
         self.zombies.clear()
+
+    # ------------------------------------------------------------------ local table scopes
+
+    def add_scope(self, scope: str, tables: Mapping[str, npt.ArrayLike]) -> None:
+        """Check and prep ``tables`` as the named scope ``scope`` (all or nothing: a failure releases what was
+        prepped and raises)."""
+        if scope in self.scopes:
+            raise ValueError(f"local table scope {scope!r} already exists")
+        checked = {key: CheckedTable(key, np.asarray(rows)) for key, rows in tables.items()}
+        dlists: dict[str, Any] = {}
+        try:
+            for key, table in checked.items():
+                dlists[key] = self.prep(LOCAL, table)
+        except BaseException:
+            self.release_dlists(dlists)
+            raise
+        self.scopes[scope] = (checked, dlists)
+
+    def remove_scope(self, scope: str) -> None:
+        """Release the named scope's prepped dlists and forget its tables (unknown scopes are ignored)."""
+        entry = self.scopes.pop(scope, None)
+        if entry is not None:
+            self.release_dlists(entry[1])
+
+    def table(self, scope: str | None, key: str) -> CheckedTable | None:
+        """Local table ``key`` of ``scope`` (``None``: the default scope), if any."""
+        if scope is None:
+            return self.tables.get(key)
+        entry = self.scopes.get(scope)
+        return None if entry is None else entry[0].get(key)
+
+    def table_keys(self, scope: str | None) -> list[str]:
+        """The local table keys of ``scope``, sorted (for error messages)."""
+        if scope is None:
+            return sorted(self.tables)
+        entry = self.scopes.get(scope)
+        return [] if entry is None else sorted(entry[0])
+
+    def dlist(self, scope: str | None, key: str) -> Any:
+        """The prepped dlist of local table ``key`` of ``scope`` (``KeyError`` if none)."""
+        return self.local[key] if scope is None else self.scopes[scope][1][key]
+
+    def local_dlist_count(self) -> int:
+        """Prepped local dlists of every scope."""
+        return len(self.local) + sum(len(dlists) for _, dlists in self.scopes.values())
 
     # ------------------------------------------------------------------ dlists and remote agents
 

@@ -1,5 +1,10 @@
 """``Endpoint``: one NIXL agent, its registered memory and prepped tables, its peers and requests.
 
+Memory is registered once, when the endpoint is created; peers added later bring only their own tables: a
+named scope of local tables (``add_local_tables``, e.g. one peer engine's ``PeerPlan`` tables) that the peers
+connected with ``local_scope=`` post from, and each peer's remote tables. ``disconnect`` and
+``remove_local_tables`` release exactly those handles, so one endpoint serves any number of peer engines.
+
 The endpoint is driven by ``poll()``; it never starts NIXL's progress thread (it busy-spins a core,
 and every NIXL call happens on the thread that calls the endpoint's
 methods. The only background threads are ZeroMQ ones: the side-channel server and one short-lived
@@ -28,7 +33,7 @@ import zmq
 
 from ..hugepages import HugePageReport
 from . import netif
-from .agent import Agent, log
+from .agent import CALL_ERRORS, Agent, log
 from .auth import resolve_secret
 from .errors import HandshakeError, TransferError
 from .inbox import Inbox
@@ -50,7 +55,8 @@ class Endpoint:
     Args:
         name: the NIXL agent name; unique among all endpoints that talk to each other.
         registration: ``(N, 3)`` uint64 ``(addr, len, device)`` regions to register, once.
-        local_tables: ``{key: (N, 5) or (N, 3) uint64 table}``, each prepped once.
+        local_tables: ``{key: (N, 5) or (N, 3) uint64 table}``, each prepped once (the default scope, which peers
+            connected without ``local_scope`` post from; may be empty).
         mem_type: NIXL memory type of the registration and tables (``"DRAM"``, ``"VRAM"``...).
         metadata_provider: ``rank -> payload bytes`` served to peers during their handshake
             (called from the side-channel thread; must be thread-safe). ``None`` serves ``b""``.
@@ -172,7 +178,7 @@ class Endpoint:
         return {
             "xfer": self._requests.xfer_count(),
             "zombie_xfer": len(self._agent.zombies),
-            "local_dlists": len(self._agent.local),
+            "local_dlists": self._agent.local_dlist_count(),
             "remote_dlists": remote_dlists,
             "remote_agents": remote_agents,
             "registrations": int(self._agent.registered),
@@ -192,6 +198,48 @@ class Endpoint:
         self._agent.close()
         self._ctx.destroy(linger=0)
 
+    # ------------------------------------------------------------------ local table scopes
+
+    def add_local_tables(self, scope: str, tables: Mapping[str, npt.ArrayLike]) -> None:
+        """Prep ``tables`` (``{key: (N, 5) or (N, 3) uint64 table}``) as the named scope ``scope``, against the
+        memory registered at creation (nothing is registered again).
+
+        Peers connected with ``local_scope=scope`` post from these tables (a transfer's ``local_key`` names one
+        of them). All or nothing: a table that fails its checks or NIXL's prep releases what was prepped.
+
+        Raises:
+            ValueError: an empty or existing scope name, or a malformed table.
+            TransferError: the endpoint is closed, or NIXL refused a table (its error is chained).
+        """
+        self._check_open()
+        if not scope:
+            raise ValueError(f"endpoint {self.name!r}: a local table scope needs a name")
+        try:
+            self._agent.add_scope(scope, tables)
+        except CALL_ERRORS as exc:
+            if isinstance(exc, ValueError):
+                raise ValueError(f"endpoint {self.name!r}: {exc}") from exc
+            raise TransferError(f"endpoint {self.name!r}: NIXL refused a table of scope {scope!r}: {exc}") from exc
+
+    def remove_local_tables(self, scope: str) -> None:
+        """Release the named scope's prepped tables (unknown scopes are ignored).
+
+        Raises:
+            TransferError: a peer still posts from the scope (``disconnect`` it first; the message names it).
+        """
+        self._check_open()
+        users = sorted(str(p.key) for p in self._peers if p.scope == scope)
+        if users:
+            raise TransferError(
+                f"endpoint {self.name!r}: local table scope {scope!r} is still used by peer(s) {', '.join(users)}; "
+                "disconnect them first"
+            )
+        self._agent.remove_scope(scope)
+
+    def local_scopes(self) -> list[str]:
+        """The named local table scopes, sorted."""
+        return sorted(self._agent.scopes)
+
     # ------------------------------------------------------------------ handshake
 
     def begin_connect(
@@ -206,6 +254,7 @@ class Endpoint:
         expected_payload: bytes | None = None,
         expected_name: str | None = None,
         reply: MetaReply | None = None,
+        local_scope: str | None = None,
     ) -> None:
         """Start connecting to ``peer`` in the background; requests posted to it wait for the result.
 
@@ -224,6 +273,8 @@ class Endpoint:
             reply: the peer's reply already fetched (``side_channel.fetch_reply``, authenticated): the
                 handshake runs from it instead of fetching again, so validate, tables and the loaded agent
                 all see exactly the bytes the caller planned from (one fetch per peer).
+            local_scope: the named local table scope (``add_local_tables``) this peer's transfers post from;
+                ``None``: the endpoint's own tables.
 
         The peer's side-channel name must equal the name of the NIXL agent its metadata loads, and an
         agent may be connected under one key only: a second key is refused (naming the first) unless the
@@ -232,11 +283,15 @@ class Endpoint:
         tables are stale once the remote agent is removed).
         """
         self._check_open()
+        if local_scope is not None and local_scope not in self._agent.scopes:
+            raise ValueError(f"endpoint {self.name!r}: unknown local table scope {local_scope!r}")
         old = self._peers.pop(peer)
         if old is not None:
             self._requests.fail_peer(old.key, f"peer {peer!r} is reconnecting")
             self._peers.drop(old)
-        self._peers.begin(peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name, reply)
+        self._peers.begin(
+            peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name, reply, local_scope
+        )
 
     def connect(
         self,
@@ -250,6 +305,7 @@ class Endpoint:
         expected_payload: bytes | None = None,
         expected_name: str | None = None,
         reply: MetaReply | None = None,
+        local_scope: str | None = None,
     ) -> bytes:
         """Connect to ``peer`` and wait (driving progress) until ready; returns the peer's payload.
 
@@ -273,6 +329,7 @@ class Endpoint:
             expected_payload=expected_payload,
             expected_name=expected_name,
             reply=reply,
+            local_scope=local_scope,
         )
         state = self._peers[peer]
         while state.state == "connecting":
@@ -284,6 +341,16 @@ class Endpoint:
             err.findings = list(state.findings)  # what validate_handshake found, if that rejected the peer
             raise err
         return state.payload
+
+    def disconnect(self, peer: PeerKey, reason: str = "was disconnected") -> None:
+        """Forget ``peer``: fail its live requests (telling it), release its remote tables and unload its NIXL
+        agent. Nothing else is touched (its local table scope stays until ``remove_local_tables``). Unknown
+        peers are ignored."""
+        self._check_open()
+        old = self._peers.pop(peer)
+        if old is not None:
+            self._requests.fail_peer(old.key, f"peer {peer!r} {reason}")
+            self._peers.drop(old)
 
     def peer_state(self, peer: PeerKey) -> tuple[str, str]:
         """``(state, reason)`` of ``peer``: state is ``connecting``, ``ready`` or ``down``."""

@@ -150,15 +150,16 @@ class InFlight:
     # ------------------------------------------------------------------ checks before posting
 
     def _check_transfer(self, rid: str, t: Transfer) -> Transfer:
-        local = self._agent.tables.get(t.local_key)
-        if local is None:
-            known = sorted(self._agent.tables)
-            raise TransferError(f"unknown local table {t.local_key!r}; known: {known}", request_id=rid)
         peer = self._peers.get(t.peer)
         if peer is None:
             raise TransferError(f"peer {t.peer!r} is not connected", request_id=rid)
         if peer.state == "down":
             raise TransferError(f"peer {t.peer!r} is down: {peer.reason}", request_id=rid)
+        local = self._agent.table(peer.scope, t.local_key)
+        if local is None:
+            known = self._agent.table_keys(peer.scope)
+            where = "" if peer.scope is None else f" in scope {peer.scope!r} (peer {t.peer!r})"
+            raise TransferError(f"unknown local table {t.local_key!r}{where}; known: {known}", request_id=rid)
         try:
             local_ids = check_ids(t.local_ids, local, "local")
             remote_ids = np.asarray(t.remote_ids)  # checked once the peer's tables are known
@@ -198,8 +199,11 @@ class InFlight:
         try:  # remote ids could not be checked while the handshake was pending
             checked = []
             for t in req.transfers:
-                local = self._agent.tables[t.local_key]
-                remote_ids = self._check_remote(self._peers[t.peer], t.remote_key, t.remote_ids, local, t.local_ids)
+                peer = self._peers[t.peer]
+                local = self._agent.table(peer.scope, t.local_key)
+                if local is None:  # its scope was removed while the request waited
+                    raise TransferError(f"local table {t.local_key!r} of scope {peer.scope!r} was removed")
+                remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, t.local_ids)
                 checked.append(t._replace(remote_ids=remote_ids))
         except TransferError as exc:
             self.fail(req, str(exc), notify=False)
@@ -217,12 +221,13 @@ class InFlight:
         for i, t in enumerate(req.transfers):  # make every handle before posting any
             msg = notifications.done_message(req.request_id, index[t.peer], per_peer[t.peer])
             index[t.peer] += 1
+            peer = self._peers[t.peer]
             try:
                 req._xfers[i] = self._agent.nixl.make_prepped_xfer(
                     req.op,
-                    self._agent.local[t.local_key],
+                    self._agent.dlist(peer.scope, t.local_key),
                     t.local_ids,
-                    self._peers[t.peer].dlists[t.remote_key],
+                    peer.dlists[t.remote_key],
                     t.remote_ids,
                     notif_msg=msg,
                 )

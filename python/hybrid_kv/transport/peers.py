@@ -49,6 +49,7 @@ class Peer:
         expected_name: if set, the name the peer must answer with (and its agent must have).
         payload: the peer's handshake payload once received.
         tables: the peer's descriptor tables; ``dlists`` holds them prepped against its agent.
+        scope: the local table scope its transfers' local keys name (``None``: the endpoint's own tables).
     """
 
     key: PeerKey
@@ -60,6 +61,7 @@ class Peer:
     deadline: float
     expected_payload: bytes | None = None
     expected_name: str | None = None
+    scope: str | None = None
     state: str = "connecting"  # connecting | ready | down
     reason: str = ""
     findings: tuple[tuple[str, str, str, str], ...] = ()
@@ -138,6 +140,7 @@ class Peers:
         expected_payload: bytes | None = None,
         expected_name: str | None = None,
         reply: MetaReply | None = None,
+        scope: str | None = None,
     ) -> Peer:
         """Register a ``connecting`` peer under the free ``key`` and start its handshake thread, or, given the
         ``reply`` already fetched from it, finish from that reply on the next ``finish_due()``."""
@@ -152,6 +155,7 @@ class Peers:
             deadline,
             bytes(expected_payload) if expected_payload is not None else None,
             expected_name,
+            scope,
         )
         self._by_key[key] = peer
         if reply is not None:

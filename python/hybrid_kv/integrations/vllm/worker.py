@@ -1,9 +1,11 @@
 """The worker half: registers the KV caches, handshakes with peer engines, moves requests over NIXL.
 
-Each worker owns one *server* endpoint (registered memory, handshake metadata served on its side channel,
-notices and control messages from peers) and one *active* endpoint per peer engine it posts transfers to
-(pull: the decode READs from prefill engines; push: the prefill WRITEs into decode engines), whose local
-tables are that peer's ``PeerPlan`` tables.
+Each worker owns one endpoint, so one NIXL agent and one registration of its KV cache: it serves the
+handshake metadata on its side channel, receives notices and control messages, and posts transfers. Each peer
+engine it posts to (pull: the decode READs from prefill engines; push: the prefill WRITEs into decode engines)
+adds only a link (``hybrid_kv.peer_link``): that engine's ``PeerPlan`` local tables as a scope of the endpoint,
+and its ranks as peers. Handshakes run in the background (``hybrid_kv.link_pool``): at most one per engine, at
+most ``max_concurrent_handshakes`` engines at once, each retried within the waiting requests' deadline.
 
 Completion, in both modes, is reported over the side channel (authenticated control messages):
 
@@ -22,15 +24,16 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from ..._core import PeerPlan, RegionTable, compat_hash, handshake_target_ranks
-from ...transport import Endpoint, HandshakeError, RequestHandle, Transfer, TransferError
+from ..._core import RegionTable, compat_hash, handshake_target_ranks
+from ...link_pool import LinkPool
+from ...peer_link import PeerLink, PreparedLink, attach_link, prepare_link, target_addresses
+from ...transport import Endpoint, RequestHandle, Transfer, TransferError
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, rank_table
 from .metadata import BlockIds, HybridKvMetadata, RecvReq, decode_control, encode_control
@@ -47,25 +50,12 @@ already freed and reused, and fails (vLLM then applies its ``kv_load_failure_pol
 
 
 @dataclass
-class _Link:
-    """This worker's active endpoint towards one peer engine."""
-
-    engine_id: str
-    tp_size: int
-    targets: list[int]
-    addresses: dict[int, str]
-    plan: PeerPlan
-    ep: Endpoint
-    rows: dict[str, npt.NDArray[np.uint64]]
-
-
-@dataclass
 class _Inflight:
     """A request this worker posted (or awaits): what to report when it ends."""
 
     request_id: str  # the vLLM request id on this engine
     role: str  # "recv" (decode) or "send" (prefill, push)
-    link: _Link | None
+    link: PeerLink | None
     transfers: list[Transfer]
     t_post: float
     handle: RequestHandle | None  # the posted request (its ``stats`` are NIXL's telemetry); None when awaited
@@ -78,15 +68,6 @@ class _Inflight:
 def _lease_over(expires_at: float | None) -> bool:
     """Whether a prefill lease ending at ``expires_at`` (wall clock) is over, less ``LEASE_MARGIN_S``."""
     return expires_at is not None and time.time() > expires_at - LEASE_MARGIN_S
-
-
-def _remote_tables(plan: PeerPlan, rank: int) -> Any:
-    """The ``tables`` callback of ``Endpoint.connect``: peer ``rank``'s table in ``plan``."""
-
-    def tables(payload: bytes) -> dict[str, npt.NDArray[np.uint64]]:
-        return {"remote": plan.remote_rows(rank)}
-
-    return tables
 
 
 class WorkerHalf:
@@ -108,7 +89,7 @@ class WorkerHalf:
         self.geometry: RankGeometry | None = None
         self.server: Endpoint | None = None
         self.payload = b""
-        self.links: dict[str, _Link] = {}
+        self.links: dict[str, PeerLink] = {}
         self.inflight: dict[str, _Inflight] = {}  # keyed by the id posted/awaited on the endpoint
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -121,9 +102,8 @@ class WorkerHalf:
         self.push_regs: dict[str, dict[str, Any]] = {}
         # decode side, push: partners still to answer, senders that write, by local request id
         self.push_wait: dict[str, dict[str, Any]] = {}
-        # handshakes run on one background thread (as vLLM's NixlConnector); requests wait for them here
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-handshake-{self.name}")
-        self._handshakes: dict[str, Future[_Link]] = {}
+        # handshakes run in the background, one per engine, a bounded number at once; requests wait for them here
+        self._handshakes: LinkPool[PreparedLink] = LinkPool(self.name, cfg.max_concurrent_handshakes)
         self._waiting: dict[str, list[tuple[float, RecvReq | str]]] = {}  # engine -> (deadline, request)
         # control messages (releases, push registrations and plans) go out on their own thread, in order
         self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-control-{self.name}")
@@ -180,63 +160,29 @@ class WorkerHalf:
     def _address(self, host: str, port: int, rank: int) -> str:
         return f"tcp://{host}:{port + rank}"
 
-    def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> _Link:
-        """Connect to peer engine ``engine_id`` (runs on the handshake thread; touches no shared state).
+    def _handshake(self, engine_id: str, host: str, port: int, tp_size: int, deadline: float) -> PreparedLink:
+        """Fetch and plan a link to peer engine ``engine_id`` (a handshake thread; no NIXL, no shared state).
 
-        Fetches each peer rank's reply once, validates and plans from exactly those payload bytes (one decode
-        in Rust: ``PeerPlan(own_payload=...)``), opens this worker's active endpoint towards that engine and
-        connects it to every target rank from the same replies (no second fetch). Each network step has its own
-        deadline (``handshake_timeout_s``), so this always ends.
+        Each target rank's reply is fetched once and planned from exactly those payload bytes (one decode in
+        Rust: ``PeerPlan(own_payload=...)``); the link is connected from the same replies on the worker's thread
+        (``_poll_handshakes``). A fetch gets ``handshake_timeout_s`` per attempt and is tried again while
+        ``deadline`` (the waiting requests' ``transfer_timeout_s``) allows, so this always ends.
         """
-        import zmq
-
-        from ...transport.side_channel import ChannelError, fetch_reply
-
-        assert self.table is not None and self.geometry is not None
-        targets = list(handshake_target_ranks(self.tp_rank, self.tp_size, tp_size))
-        addresses = {r: self._address(host, port, r) for r in targets}
-        ctx: Any = zmq.Context()
-        try:
-            replies = {r: fetch_reply(ctx, addresses[r], r, self.name, self.cfg.handshake_timeout_s) for r in targets}
-        except ChannelError as exc:
-            raise HandshakeError(f"{self.name}: fetching {engine_id}'s metadata failed: {exc}") from exc
-        finally:
-            ctx.destroy(linger=0)
-        plan = PeerPlan(
+        assert self.table is not None
+        return prepare_link(
             self.table,
-            [replies[r].payload for r in targets],
+            self.payload,
+            target_addresses(host, port, self.tp_rank, self.tp_size, tp_size),
             self.cfg.mode,
+            sender=self.name,
+            timeout_s=self.cfg.handshake_timeout_s,
+            deadline=deadline,
             coalesce=self.cfg.coalesce,
-            own_payload=self.payload,
-            expected_engine_id=engine_id,
+            engine_id=engine_id,
             expected_tp_size=tp_size,
         )
-        rows = {k: plan.local_rows(k) for k in plan.table_keys}
-        ep = Endpoint(
-            f"{self.name}->{engine_id}",
-            self.table.registration(),
-            rows,
-            mem_type=self.geometry.mem_type,
-            listen=f"tcp://{self.cfg.side_channel_host}:0",
-            insecure=self.cfg.insecure,
-        )
-        try:
-            for r in targets:
-                ep.connect(
-                    r,
-                    addresses[r],
-                    _remote_tables(plan, r),
-                    rank=r,
-                    timeout_s=self.cfg.handshake_timeout_s,
-                    reply=replies[r],
-                )
-        except BaseException:
-            ep.close()
-            raise
-        log.info("hybrid-kv %s: connected to %s ranks %s (tp ratio %d)", self.name, engine_id, targets, plan.tp_ratio)
-        return _Link(engine_id, tp_size, targets, addresses, plan, ep, rows)
 
-    def _link(self, engine_id: str, host: str, port: int, tp_size: int, job: RecvReq | str) -> _Link | None:
+    def _link(self, engine_id: str, host: str, port: int, tp_size: int, job: RecvReq | str) -> PeerLink | None:
         """The link to ``engine_id`` if its handshake is done; else start it (once) in the background, park
         ``job`` (a decode request to load, or a prefill request to push) until it ends, and return ``None``."""
         link = self.links.get(engine_id)
@@ -246,7 +192,8 @@ class WorkerHalf:
             log.info(
                 "hybrid-kv %s: handshake with %s (%s:%d, TP %d) started", self.name, engine_id, host, port, tp_size
             )
-            self._handshakes[engine_id] = self._executor.submit(self._handshake, engine_id, host, port, tp_size)
+            deadline = time.monotonic() + self.cfg.transfer_timeout_s
+            self._handshakes.submit(engine_id, self._handshake, engine_id, host, port, tp_size, deadline)
         waiting = self._waiting.setdefault(engine_id, [])
         if all(j != job for _, j in waiting):
             waiting.append((time.monotonic() + self.cfg.transfer_timeout_s, job))
@@ -256,13 +203,10 @@ class WorkerHalf:
         """Adopt finished handshakes and run the requests that waited for them; a failed handshake fails
         exactly the requests waiting for it (the next request to that engine starts a new one). A request
         that waited longer than ``transfer_timeout_s`` fails too, so none waits forever."""
-        for engine_id, fut in list(self._handshakes.items()):
-            if not fut.done():
-                continue
-            del self._handshakes[engine_id]
+        for engine_id, fut in self._handshakes.take_done():
             waiting = [j for _, j in self._waiting.pop(engine_id, [])]
             try:
-                link = fut.result()
+                link = self._attach(fut.result())
             except Exception as exc:  # noqa: BLE001 - a failed handshake fails its requests, never the step
                 self.stats.count("num_failed_handshakes")
                 log.error("hybrid-kv %s: handshake with %s failed: %s", self.name, engine_id, exc)
@@ -281,6 +225,21 @@ class WorkerHalf:
                 self._waiting[engine_id] = [(d, j) for d, j in parked if now < d]
                 for job in late:
                     self._job_failed(job, f"handshake with {engine_id} not done within {self.cfg.transfer_timeout_s} s")
+
+    def _attach(self, prepared: PreparedLink) -> PeerLink:
+        """Connect a prepared link on the worker's endpoint (its thread): the engine's tables become its own scope."""
+        assert self.server is not None
+        t0 = time.perf_counter()
+        link = attach_link(self.server, prepared, prepared.engine_id, timeout_s=self.cfg.handshake_timeout_s)
+        log.info(
+            "hybrid-kv %s: connected to %s ranks %s (tp ratio %d) in %.1f ms",
+            self.name,
+            link.engine_id,
+            link.targets,
+            link.plan.tp_ratio,
+            (time.perf_counter() - t0) * 1e3,
+        )
+        return link
 
     def _job_failed(self, job: RecvReq | str, reason: str) -> None:
         if isinstance(job, RecvReq):
@@ -329,16 +288,13 @@ class WorkerHalf:
         except Exception as exc:  # noqa: BLE001 - report, never crash a step
             self._job_failed(req, str(exc))
 
-    def _start_pull(self, req: RecvReq, link: _Link) -> None:
+    def _start_pull(self, req: RecvReq, link: PeerLink) -> None:
         consumers = max(1, self.tp_size // req.remote_tp_size)
         release = encode_control("release", req=req.remote_request_id, consumers=consumers)
         releases = [(link.addresses[r], release) for r in link.targets]
         transfers: list[Transfer] = []
         if any(req.local_block_ids) and any(req.remote_block_ids):
-            plan = link.plan.plan(req.local_block_ids, req.remote_block_ids)
-            transfers = [
-                Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers
-            ]
+            transfers = link.transfers(req.local_block_ids, req.remote_block_ids)
         if not transfers:
             self.finished_recving.add(req.request_id)
             self._send_controls(link.ep, releases)
@@ -351,7 +307,7 @@ class WorkerHalf:
         job.lease_expires_at = req.lease_expires_at
 
     def _post(
-        self, rid: str, role: str, link: _Link, transfers: list[Transfer], op: Any, timeout: float, ids: BlockIds
+        self, rid: str, role: str, link: PeerLink, transfers: list[Transfer], op: Any, timeout: float, ids: BlockIds
     ) -> None:
         t0 = time.perf_counter()
         handle = link.ep.post(rid, transfers, op, timeout)
@@ -439,11 +395,8 @@ class WorkerHalf:
                 if link is None:
                     continue  # handshake in the background; pushed on a later step
                 del self.push_regs[p_req]
-                plan = link.plan.plan(local_ids, reg["ids"])
-                transfers = [
-                    Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers
-                ]
-                writers = {int(t.peer) for t in transfers}
+                transfers = link.transfers(local_ids, reg["ids"])
+                writers = {link.rank_of(t.peer) for t in transfers}
                 if transfers:
                     self._post(d_req, "send", link, transfers, "WRITE", self.cfg.transfer_timeout_s, local_ids)
                     self.inflight[d_req].request_id = p_req
@@ -515,10 +468,9 @@ class WorkerHalf:
 
     def _progress(self) -> None:
         self._poll_handshakes()
-        eps = ([self.server] if self.server is not None else []) + [lk.ep for lk in self.links.values()]
-        for ep in eps:
+        if self.server is not None:
             t0 = time.perf_counter()
-            ev = ep.poll()
+            ev = self.server.poll()
             self.stats.add_time("worker_poll_s", time.perf_counter() - t0)
             for c in ev.control:
                 self._on_control(c.sender, c.payload)
@@ -587,15 +539,10 @@ class WorkerHalf:
         return None if stats.is_empty() and not stats.data["worker_s"] else stats
 
     def shutdown(self) -> None:
-        """Close every endpoint; a handshake still running is awaited (it has deadlines) and its link closed."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Close the endpoint (every link's handles with it); a handshake still running is awaited (it has
+        deadlines; a prepared link holds no NIXL handle)."""
+        self._handshakes.shutdown()
         self._control_pool.shutdown(wait=True, cancel_futures=True)  # the one being sent has a deadline
-        for fut in self._handshakes.values():
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                fut.result().ep.close()
-        self._handshakes.clear()
-        for link in self.links.values():
-            link.ep.close()
         self.links.clear()
         if self.server is not None:
             self.server.close()

@@ -1,0 +1,281 @@
+"""One posting rank's link to one peer engine: fetch -> validate and plan -> connect, in one place.
+
+A link is built in two steps because they run on different threads:
+
+- ``prepare_link`` (any thread; network and Rust only): fetch every target rank's side-channel reply once,
+  then validate and plan from exactly those payload bytes (``PeerPlan(own_payload=...)``, each payload decoded
+  once in Rust). Each fetch that times out is tried again while the link's deadline allows.
+- ``attach_link`` (the endpoint's thread; NIXL): prep the plan's local tables as the link's own scope of the
+  shared endpoint (the KV cache stays registered once, by the endpoint), then connect every target rank from
+  the reply already fetched (no second fetch, so validation, plan and the loaded agent see the same bytes).
+
+``PeerLink.close`` releases exactly what the link added: its peers (remote tables, remote agents) and its
+local table scope. The demo's ranks and the vLLM connector's workers both link through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._core import RegionTable, handshake_target_ranks
+from .planner import RankPlanner
+from .transport.errors import HandshakeError
+from .transport.requests import PeerKey, Transfer
+
+if TYPE_CHECKING:
+    from .transport.endpoint import Endpoint
+    from .transport.side_channel import MetaReply
+
+__all__ = ["PeerLink", "PreparedLink", "attach_link", "fetch_replies", "link_peer", "prepare_link"]
+
+log = logging.getLogger("hybrid_kv.peer_link")
+
+U64 = npt.NDArray[np.uint64]
+
+RETRY_PAUSE_S = 0.2
+"""Pause between two fetch attempts of one rank's reply."""
+
+MIN_ATTEMPT_S = 0.5
+"""A fetch that timed out is tried again only if the deadline leaves at least this long for the new attempt."""
+
+
+def fetch_replies(
+    addresses: Mapping[int, str],
+    sender: str,
+    timeout_s: float,
+    *,
+    deadline: float | None = None,
+    secret: bytes | str | None = None,
+) -> dict[int, MetaReply]:
+    """Each rank's side-channel reply, fetched once (authenticated; see ``side_channel.fetch_reply``).
+
+    A fetch gets ``timeout_s`` per attempt; one that gets no reply in time is tried again while
+    ``deadline`` (``time.monotonic()``; ``None``: one attempt) leaves room for another pause and attempt.
+    Any other failure (authentication, the peer's error, a protocol mismatch) is not retried.
+
+    Raises:
+        HandshakeError: a rank's reply could not be fetched; the message names the rank and address.
+    """
+    import zmq
+
+    from .transport.side_channel import ChannelError, fetch_reply
+
+    ctx: Any = zmq.Context()
+    replies: dict[int, MetaReply] = {}
+    try:
+        for rank, address in addresses.items():
+            attempt = 1
+            while True:
+                per_try = timeout_s if deadline is None else max(0.05, min(timeout_s, deadline - time.monotonic()))
+                t0 = time.monotonic()
+                try:
+                    replies[rank] = fetch_reply(ctx, address, rank, sender, per_try, secret=secret)
+                    break
+                except ChannelError as exc:
+                    timed_out = time.monotonic() - t0 >= 0.95 * per_try  # no reply in time (not a refusal)
+                    left = 0.0 if deadline is None else deadline - time.monotonic()
+                    if not timed_out or left < RETRY_PAUSE_S + MIN_ATTEMPT_S:
+                        raise HandshakeError(
+                            f"{sender}: fetching rank {rank}'s metadata from {address} failed "
+                            f"(attempt {attempt}): {exc}"
+                        ) from exc
+                    log.warning(
+                        "%s: rank %d at %s did not answer within %.3g s (attempt %d); retrying, %.1f s left",
+                        sender,
+                        rank,
+                        address,
+                        per_try,
+                        attempt,
+                        left,
+                    )
+                    attempt += 1
+                    time.sleep(RETRY_PAUSE_S)
+    finally:
+        ctx.destroy(linger=0)
+    return replies
+
+
+@dataclass
+class PreparedLink:
+    """A link's plan, built from the replies fetched once (``prepare_link``); not yet connected."""
+
+    engine_id: str
+    targets: list[int]
+    addresses: dict[int, str]
+    replies: dict[int, MetaReply]
+    planner: RankPlanner
+
+
+def prepare_link(
+    table: RegionTable,
+    own_payload: bytes,
+    addresses: Mapping[int, str],
+    mode: str,
+    *,
+    sender: str,
+    timeout_s: float,
+    deadline: float | None = None,
+    coalesce: bool = True,
+    engine_id: str = "",
+    expected_tp_size: int | None = None,
+    secret: bytes | str | None = None,
+) -> PreparedLink:
+    """Fetch every target rank's reply once and plan from exactly those payloads (validated against
+    ``own_payload``; ``engine_id`` and ``expected_tp_size``, when given, must be what the peer says it is).
+
+    Runs no NIXL call, so it may run on any thread.
+
+    Raises:
+        HandshakeError: a fetch failed, or a payload is incompatible or malformed (``findings`` set).
+        PlanError: the two sides cannot be planned together.
+    """
+    replies = fetch_replies(addresses, sender, timeout_s, deadline=deadline, secret=secret)
+    planner = RankPlanner(
+        table,
+        {r: reply.payload for r, reply in replies.items()},
+        mode,
+        coalesce=coalesce,
+        own_payload=own_payload,
+        expected_engine_id=engine_id or None,
+        expected_tp_size=expected_tp_size,
+    )
+    return PreparedLink(engine_id, sorted(addresses), dict(addresses), replies, planner)
+
+
+@dataclass
+class PeerLink:
+    """A connected link: the peer engine's ranks as peers of a shared endpoint, posting from the link's scope.
+
+    Attributes:
+        engine_id: the peer engine.
+        scope: the endpoint's local table scope holding this link's tables (also the prefix of its peer keys).
+        targets: the peer ranks connected, each under ``key(rank)``.
+        addresses: each target rank's side-channel address.
+        planner: the ``RankPlanner`` (``planner.plan_`` is the ``PeerPlan``).
+        ep: the shared endpoint.
+    """
+
+    engine_id: str
+    scope: str
+    targets: list[int]
+    addresses: dict[int, str]
+    planner: RankPlanner
+    ep: Endpoint
+    connect_s: float = 0.0
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def plan(self) -> Any:
+        """The ``PeerPlan`` against the peer engine."""
+        return self.planner.plan_
+
+    @property
+    def rows(self) -> dict[str, U64]:
+        """The local tables (strided rows) prepped in this link's scope, by key."""
+        return self.planner.local_tables
+
+    def key(self, rank: int) -> str:
+        """The endpoint's peer key of target ``rank``."""
+        return f"{self.scope}/{rank}"
+
+    def rank_of(self, key: PeerKey) -> int:
+        """The target rank of one of this link's peer keys."""
+        return int(str(key).rsplit("/", 1)[1])
+
+    def peer_keys(self) -> list[str]:
+        return [self.key(r) for r in self.targets]
+
+    def transfers(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> list[Transfer]:
+        """One request's transfers, addressed to this link's peers (empty when nothing moves)."""
+        return [t._replace(peer=self.key(int(t.peer))) for t in self.planner.plan(local_ids, remote_ids)]
+
+    def close(self) -> None:
+        """Disconnect the link's peers and release its scope (idempotent); the endpoint stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in self.peer_keys():
+            self.ep.disconnect(key, "was unlinked")
+        self.ep.remove_local_tables(self.scope)
+
+
+def _remote_tables(planner: RankPlanner, rank: int) -> Callable[[bytes], Mapping[str, U64]]:
+    """The ``tables`` callback of ``Endpoint.connect``: rank ``rank``'s remote table in ``planner``."""
+
+    def tables(payload: bytes) -> Mapping[str, U64]:
+        return planner.remote_tables(rank)
+
+    return tables
+
+
+def attach_link(ep: Endpoint, prepared: PreparedLink, scope: str, *, timeout_s: float) -> PeerLink:
+    """Prep the prepared link's local tables as ``scope`` of ``ep`` and connect every target rank from its
+    fetched reply (call on ``ep``'s thread). On failure everything added is released again.
+
+    Raises:
+        HandshakeError: NIXL refused the peer's metadata or tables, or a reply was not the peer expected.
+    """
+    planner = prepared.planner
+    t0 = time.perf_counter()
+    ep.add_local_tables(scope, planner.local_tables)
+    link = PeerLink(prepared.engine_id, scope, prepared.targets, prepared.addresses, planner, ep)
+    try:
+        for r in prepared.targets:
+            ep.connect(
+                link.key(r),
+                prepared.addresses[r],
+                _remote_tables(planner, r),
+                rank=r,
+                timeout_s=timeout_s,
+                reply=prepared.replies[r],  # the bytes validated and planned from, not fetched again
+                local_scope=scope,
+            )
+    except BaseException:
+        link.close()
+        raise
+    link.connect_s = time.perf_counter() - t0
+    return link
+
+
+def link_peer(
+    ep: Endpoint,
+    table: RegionTable,
+    own_payload: bytes,
+    addresses: Mapping[int, str],
+    mode: str,
+    *,
+    scope: str,
+    sender: str,
+    timeout_s: float,
+    deadline: float | None = None,
+    coalesce: bool = True,
+    engine_id: str = "",
+    expected_tp_size: int | None = None,
+) -> PeerLink:
+    """``prepare_link`` then ``attach_link`` on the calling thread (which must be ``ep``'s)."""
+    prepared = prepare_link(
+        table,
+        own_payload,
+        addresses,
+        mode,
+        sender=sender,
+        timeout_s=timeout_s,
+        deadline=deadline,
+        coalesce=coalesce,
+        engine_id=engine_id,
+        expected_tp_size=expected_tp_size,
+    )
+    return attach_link(ep, prepared, scope, timeout_s=timeout_s)
+
+
+def target_addresses(host: str, base_port: int, local_rank: int, local_tp: int, remote_tp: int) -> dict[int, str]:
+    """Side-channel addresses of the peer ranks ``local_rank`` handshakes with (rank ``r`` at ``base_port + r``)."""
+    targets = handshake_target_ranks(local_rank, local_tp, remote_tp)
+    return {int(r): f"tcp://{host}:{base_port + int(r)}" for r in targets}
