@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tickets_helper import reissue
 from vllm_harness import (
     KB,
     Content,
@@ -246,7 +247,8 @@ def test_failed_handshake_fails_exactly_its_request(model_dirs: dict[str, str], 
     outputs = Outputs(d)
     try:
         params = _prefill(p, ["p-0", "p-1"], [300, 517], 0)
-        ghost = dict(params["p-1"], remote_engine_id="ghost", remote_port=ghost_port, remote_request_id="g-1")
+        # a ticket the prefill's key signs, naming an engine nobody serves (only a secret holder can make one)
+        ghost = reissue(params["p-1"], engine_id="ghost", port=ghost_port, request_id="g-1")
         d.add("d-0", prompt(0, 300), params["p-0"], 0)
         d.add("d-ghost", prompt(1, 517), ghost, 1)
         reset = None  # the step after which vLLM marked d-ghost's load failed with nothing computed

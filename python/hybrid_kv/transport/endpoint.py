@@ -420,15 +420,24 @@ class Endpoint:
         self._check_open()
         return self._requests.post(request_id, transfers, op, deadline_s)
 
-    def expect(self, request_id: str, deadline_s: float, senders: int = 1) -> RequestHandle:
+    def expect(
+        self, request_id: str, deadline_s: float, senders: int = 1, *, writers: Iterable[str] | None = None
+    ) -> RequestHandle:
         """Await a peer-initiated request (push mode: the peer WRITEs into us).
 
         It completes once ``senders`` distinct peers have each landed all their transfers for
         ``request_id`` (reported in ``PollResult.done``); it fails on their failure notice or the deadline.
+        ``writers``: the NIXL agent names of exactly the peers that write it (``senders`` is then their
+        number): it completes once each of them landed everything, and only their notices count (anyone
+        else's done- or fail-notices for ``request_id`` are dropped).
         """
         self._check_open()
         self._requests.ensure_new(request_id)
-        return self._requests.expect(request_id, deadline_s, senders, self._inbox.take_landed(request_id))
+        if writers is None:
+            return self._requests.expect(request_id, deadline_s, senders, self._inbox.take_landed(request_id))
+        names = frozenset(writers)
+        seen = self._inbox.expect_from(request_id, names, deadline_s)
+        return self._requests.expect(request_id, deadline_s, len(names), seen)
 
     def poll(self) -> PollResult:
         """Progress everything once and return what happened since the last call (never blocks)."""

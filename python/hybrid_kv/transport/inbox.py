@@ -7,11 +7,19 @@ since the missing notices will never come. A sender that is not a connected peer
 pull mode) can die mid-request unseen, so a partial set still incomplete ``PARTIAL_TTL_S`` after its
 first notice is given up and reported like a failure notice. Completed requests nobody awaits yet are
 remembered (up to ``LANDED_MEMORY``) for a later ``expect()``.
+
+Notices are untrusted (any agent that loaded our metadata can send them): ``notifications.parse`` bounds
+each one, a sender holds at most ``MAX_PARTIAL_PER_SENDER`` partial sets and all senders together
+``MAX_PARTIAL`` (a notice past either is dropped and logged), each set is a bitmask of at most
+``notifications.MAX_NOTICE_COUNT`` indices, and a notice whose count differs from its set's is dropped. A
+passive request awaited from named writers (``expect_from``) completes and fails only by their notices:
+anyone else's are dropped.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 from . import notifications
@@ -19,10 +27,14 @@ from .agent import Agent
 from .inflight import InFlight
 from .requests import RemoteEvent
 
-__all__ = ["LANDED_MEMORY", "PARTIAL_TTL_S", "Inbox"]
+__all__ = ["LANDED_MEMORY", "MAX_PARTIAL", "MAX_PARTIAL_PER_SENDER", "PARTIAL_TTL_S", "Inbox"]
+
+log = logging.getLogger("hybrid_kv.transport.inbox")
 
 LANDED_MEMORY = 4096  # passive completions remembered for a later expect()
 PARTIAL_TTL_S = 600.0  # a sender's partial done-notices for a request are given up this long after the first
+MAX_PARTIAL_PER_SENDER = 1024  # requests one sender may have partly landed at once
+MAX_PARTIAL = 16384  # the same, all senders together
 
 
 class Inbox:
@@ -36,8 +48,12 @@ class Inbox:
     def __init__(self, agent: Agent, requests: InFlight) -> None:
         self._agent = agent
         self._requests = requests
-        self._parts: dict[tuple[str, str], tuple[float, set[int]]] = {}  # (first notice's time, indices)
+        # (sender, request id) -> [first notice's time, count, bitmask of the indices seen]
+        self._parts: dict[tuple[str, str], list[int | float]] = {}
+        self._per_sender: collections.Counter[str] = collections.Counter()
         self._landed: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
+        self._writers: dict[str, tuple[float, frozenset[str]]] = {}  # request id -> (until, its only writers)
+        self._dropped: collections.Counter[str] = collections.Counter()  # notices dropped, by reason
         self._next_expiry = 0.0
 
     def drain(self) -> None:
@@ -49,10 +65,16 @@ class Inbox:
                 notice = notifications.parse(msg)
                 if notice is None:
                     events.notifs.append((sender, msg))
+                    continue
+                writers = self._writers.get(notice.request_id)
+                if writers is not None and sender not in writers[1]:
+                    self._drop(
+                        f"{notice.kind}-notice for {notice.request_id!r} from {sender!r}, not one of its writers"
+                    )
                 elif notice.kind == "done":
                     self._on_part(sender, notice)
                 else:
-                    self._parts.pop((sender, notice.request_id), None)
+                    self._pop_part((sender, notice.request_id))
                     self._failed(sender, notice.request_id, notice.reason)
         self._expire(time.monotonic())
 
@@ -60,10 +82,18 @@ class Inbox:
         """The senders that already landed everything for ``request_id``, forgotten here."""
         return self._landed.pop(request_id, set())
 
+    def expect_from(self, request_id: str, writers: frozenset[str], deadline_s: float) -> set[str]:
+        """Accept notices for ``request_id`` only from agents ``writers`` until its deadline (plus a second);
+        returns those of them that already landed everything for it."""
+        self._writers[request_id] = (time.monotonic() + deadline_s + 1.0, writers)
+        for key in [k for k in self._parts if k[1] == request_id and k[0] not in writers]:
+            self._pop_part(key)
+        return self.take_landed(request_id) & writers
+
     def forget(self, sender: str) -> None:
         """Drop the partially received done-notices of agent ``sender`` (it went down or was dropped)."""
         for key in [k for k in self._parts if k[0] == sender]:
-            del self._parts[key]
+            self._pop_part(key)
 
     def partial(self) -> set[tuple[str, str]]:
         """The ``(sender, request_id)`` pairs with some but not all done-notices received."""
@@ -78,22 +108,51 @@ class Inbox:
         if now < self._next_expiry:
             return
         self._next_expiry = now + PARTIAL_TTL_S / 8
-        for (sender, request_id), (first, parts) in list(self._parts.items()):
+        for rid in [r for r, (until, _) in self._writers.items() if until <= now]:
+            del self._writers[rid]
+        for (sender, request_id), (first, _, mask) in list(self._parts.items()):
             if now - first >= PARTIAL_TTL_S:
-                del self._parts[(sender, request_id)]
+                self._pop_part((sender, request_id))
                 reason = (
-                    f"gave up: {len(parts)} done-notice(s) from {sender!r} arrived and the rest did not "
+                    f"gave up: {int(mask).bit_count()} done-notice(s) from {sender!r} arrived and the rest did not "
                     f"within {PARTIAL_TTL_S:g} s of the first"
                 )
                 self._failed(sender, request_id, reason)
 
+    def _pop_part(self, key: tuple[str, str]) -> None:
+        if self._parts.pop(key, None) is not None:
+            self._per_sender[key[0]] -= 1
+            if self._per_sender[key[0]] <= 0:
+                del self._per_sender[key[0]]
+
+    def _drop(self, what: str) -> None:
+        """Log a dropped notice: the first of each kind of reason, then every 1024th."""
+        kind = what.split(" ", 1)[0]
+        self._dropped[kind] += 1
+        n = self._dropped[kind]
+        if n == 1 or n % 1024 == 0:
+            log.warning("hybrid-kv inbox: dropped %s (%d such so far)", what, n)
+
     def _on_part(self, sender: str, notice: notifications.Notice) -> None:
         key = (sender, notice.request_id)
-        _, parts = self._parts.setdefault(key, (time.monotonic(), set()))
-        parts.add(notice.index)
-        if len(parts) < notice.count:
+        part = self._parts.get(key)
+        if part is None:
+            if notice.count > 1 and (
+                self._per_sender[sender] >= MAX_PARTIAL_PER_SENDER or len(self._parts) >= MAX_PARTIAL
+            ):
+                self._drop(f"done-notice for {notice.request_id!r} from {sender!r}: too many partly landed requests")
+                return
+            part = [time.monotonic(), notice.count, 0]
+            if notice.count > 1:
+                self._parts[key] = part
+                self._per_sender[sender] += 1
+        elif part[1] != notice.count:
+            self._drop(f"done-notice for {notice.request_id!r} from {sender!r}: count {notice.count}, was {part[1]}")
             return
-        del self._parts[key]
+        part[2] = int(part[2]) | (1 << notice.index)
+        if int(part[2]).bit_count() < notice.count:
+            return
+        self._pop_part(key)
         self._requests.events.remote_done.append(RemoteEvent(sender, notice.request_id))
         if not self._requests.passive_landed(notice.request_id, sender):
             self._landed.setdefault(notice.request_id, set()).add(sender)

@@ -5,16 +5,38 @@ the remote agent after that transfer's bytes landed, so the passive side knows a
 once it has seen all ``count`` indices from that sender. A failed request sends a standalone
 ``hkv:fail:<request_id>:<reason>`` where the peer is still reachable. The request id goes last so
 that it may contain colons.
+
+Notifications come from any agent that loaded our NIXL metadata, so ``parse`` reads them as hostile
+bytes: at most ``MAX_NOTICE_BYTES``, strict UTF-8, indices in ASCII decimal without leading zeros,
+``index < count <= MAX_NOTICE_COUNT``, a non-empty request id of at most ``MAX_REQUEST_ID_CHARS``; anything
+else is not a hybrid-kv notice (``None``). It never raises.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["Notice", "done_message", "fail_message", "parse"]
+__all__ = [
+    "MAX_NOTICE_BYTES",
+    "MAX_NOTICE_COUNT",
+    "MAX_REQUEST_ID_CHARS",
+    "Notice",
+    "done_message",
+    "fail_message",
+    "parse",
+]
 
 _DONE = "hkv:done:"
 _FAIL = "hkv:fail:"
+MAX_NOTICE_COUNT = 4096
+"""Most transfers one request may post to one peer (each carries one done-notice)."""
+MAX_REQUEST_ID_CHARS = 1024
+MAX_REASON_CHARS = 512
+"""A fail-notice's reason is cut to this many characters."""
+MAX_NOTICE_BYTES = len(_FAIL) + 3 * MAX_REQUEST_ID_CHARS + 1 + 4 * MAX_REASON_CHARS
+
+_DONE_RE = re.compile(r"hkv:done:(0|[1-9][0-9]{0,3}):([1-9][0-9]{0,3}):(.+)", re.DOTALL | re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -36,21 +58,30 @@ def done_message(request_id: str, index: int, count: int) -> bytes:
 def fail_message(request_id: str, reason: str) -> bytes:
     """The standalone message telling a peer that ``request_id`` failed (``reason`` has no newlines)."""
     # request ids may contain ':' but reasons are free text, so escape the separator in the id
-    return f"{_FAIL}{request_id.replace('%', '%25').replace(':', '%3A')}:{reason}".encode()
+    rid = request_id.replace("%", "%25").replace(":", "%3A")
+    return f"{_FAIL}{rid}:{reason[:MAX_REASON_CHARS]}".encode()
 
 
 def parse(msg: bytes) -> Notice | None:
-    """Decode a hybrid-kv notification, or ``None`` for any other message."""
+    """Decode a hybrid-kv notification, or ``None`` for any other message (malformed ones included)."""
+    if not isinstance(msg, bytes | bytearray) or len(msg) > MAX_NOTICE_BYTES:
+        return None
     try:
-        text = msg.decode()
+        text = bytes(msg).decode("utf-8")
     except UnicodeDecodeError:
         return None
     if text.startswith(_DONE):
-        parts = text[len(_DONE) :].split(":", 2)
-        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
-            return Notice("done", parts[2], index=int(parts[0]), count=int(parts[1]))
-        return None
+        m = _DONE_RE.fullmatch(text)
+        if m is None:
+            return None
+        index, count, rid = int(m[1]), int(m[2]), m[3]
+        if not index < count <= MAX_NOTICE_COUNT or len(rid) > MAX_REQUEST_ID_CHARS:
+            return None
+        return Notice("done", rid, index=index, count=count)
     if text.startswith(_FAIL):
-        rid, _, reason = text[len(_FAIL) :].partition(":")
-        return Notice("fail", rid.replace("%3A", ":").replace("%25", "%"), reason=reason)
+        raw, sep, reason = text[len(_FAIL) :].partition(":")
+        rid = raw.replace("%3A", ":").replace("%25", "%")
+        if not sep or not rid or len(rid) > MAX_REQUEST_ID_CHARS:
+            return None
+        return Notice("fail", rid, reason=reason[:MAX_REASON_CHARS])
     return None

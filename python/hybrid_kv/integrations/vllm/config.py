@@ -38,11 +38,27 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
         "`0.0.0.0`, which is never advertised)",
     ),
     "handshake_timeout_s": ("HYBRID_KV_HANDSHAKE_TIMEOUT_S", 10.0, "deadline of one handshake with a peer rank"),
+    "max_concurrent_handshakes": (
+        "HYBRID_KV_MAX_CONCURRENT_HANDSHAKES",
+        8,
+        "peer engines a worker handshakes with at once (one handshake per engine; more wait, with a warning)",
+    ),
     "transfer_timeout_s": ("HYBRID_KV_TRANSFER_TIMEOUT_S", 60.0, "deadline of one request's transfers"),
     "lease_s": (
         "HYBRID_KV_LEASE_S",
         30.0,
         "how long a prefill engine keeps a finished request's blocks for its decode engine before freeing them",
+    ),
+    "lease_max_extension_s": (
+        "HYBRID_KV_LEASE_MAX_EXTENSION_S",
+        60.0,
+        "how much longer than `lease_s` a decode still connecting to the prefill engine may renew a lease",
+    ),
+    "peer_networks": (
+        "HYBRID_KV_PEER_NETWORKS",
+        None,
+        "comma-separated CIDRs (e.g. `10.0.0.0/8,fd00::/8`): a decode dials only ticket hosts inside them, a "
+        "prefill pushes only to registered hosts inside them (default: any address)",
     ),
     "push_registration_timeout_s": (
         "HYBRID_KV_PUSH_REGISTRATION_TIMEOUT_S",
@@ -90,8 +106,11 @@ class ConnectorConfig:
     side_channel_port: int
     advertise_host: str
     handshake_timeout_s: float
+    max_concurrent_handshakes: int
     transfer_timeout_s: float
     lease_s: float
+    lease_max_extension_s: float
+    peer_networks: str | None
     push_registration_timeout_s: float
     ucx_tls: str | None
     insecure: bool
@@ -128,11 +147,28 @@ class ConnectorConfig:
                 raise ConfigError(f"hybrid-kv setting 'advertise_host' must be reachable, got {advertise!r}")
         except ValueError:
             pass  # a host name: handed to peers as is
+        if not 1 <= values["max_concurrent_handshakes"] <= 1024:
+            raise ConfigError(
+                "hybrid-kv setting 'max_concurrent_handshakes' must be within [1, 1024], "
+                f"got {values['max_concurrent_handshakes']}"
+            )
         if not 0 <= values["side_channel_port"] < 65536:
             raise ConfigError(f"hybrid-kv setting 'side_channel_port' out of range: {values['side_channel_port']}")
         for key in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "push_registration_timeout_s"):
-            if values[key] <= 0:
+            if not 0 < values[key] < float("inf"):
                 raise ConfigError(f"hybrid-kv setting {key!r} must be positive, got {values[key]}")
+        if not 0 <= values["lease_max_extension_s"] <= 3600:
+            raise ConfigError(
+                "hybrid-kv setting 'lease_max_extension_s' must be within [0, 3600], "
+                f"got {values['lease_max_extension_s']}"
+            )
+        if values["peer_networks"] is not None:
+            for item in str(values["peer_networks"]).split(","):
+                try:
+                    if item.strip():
+                        ipaddress.ip_network(item.strip(), strict=False)
+                except ValueError:
+                    raise ConfigError(f"hybrid-kv setting 'peer_networks': {item.strip()!r} is not a CIDR") from None
         values["advertise_host"] = advertise
         return cls(**values)
 

@@ -1,22 +1,24 @@
-"""What the scheduler half hands its workers each step (picklable plain data) and the control messages
-workers exchange over hybrid-kv's side channel."""
+"""What the scheduler half hands its workers each step (picklable plain data)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["HybridKvMetadata", "RecvReq", "decode_control", "encode_control"]
+__all__ = ["BlockIds", "HybridKvMetadata", "RecvReq", "SendLease"]
 
 BlockIds = list[list[int]]
 
 
 @dataclass
 class RecvReq:
-    """A decode request whose KV comes from a prefill engine (pull: READ it; push: register and await it)."""
+    """A decode request whose KV comes from a prefill engine (pull: READ it; push: register and await it).
+
+    Every ``remote_*`` field comes from the prefill's verified ticket (``tickets``), never from the API
+    client. ``refused``: the reason the request's ``kv_transfer_params`` were refused (its remote fields are
+    then empty); the worker fails such a request at once, through the failed-load path.
+    """
 
     request_id: str
     local_block_ids: BlockIds
@@ -27,8 +29,26 @@ class RecvReq:
     remote_port: int
     remote_tp_size: int
     # wall-clock time (``time.time()``) after which the prefill engine may free the remote blocks (its lease);
-    # a read that ends later (less ``LEASE_MARGIN_S``) may have read reused blocks and counts as failed
+    # a read that ends later (less ``LEASE_MARGIN_S``) may have read reused blocks and counts as failed. A
+    # decode still connecting renews it (``control.Renew``), up to ``max_lease_expires_at``.
     lease_expires_at: float | None = None
+    max_lease_expires_at: float | None = None
+    grant: bytes = b""  # the ticket's grant: every control message about this request carries it
+    refused: str | None = None
+
+    @classmethod
+    def refusal(cls, request_id: str, local_block_ids: BlockIds, reason: str) -> RecvReq:
+        return cls(request_id, local_block_ids, "", "", [], "", 0, 0, refused=reason)
+
+
+@dataclass
+class SendLease:
+    """A prefill request whose blocks are leased to a decode engine: what its ticket granted."""
+
+    block_ids: BlockIds
+    lease_s: float
+    grant: bytes
+    max_extension_s: float
 
 
 @dataclass
@@ -36,22 +56,9 @@ class HybridKvMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore
     """One step's work for the workers.
 
     ``recv``: decode requests to load. ``send``: prefill requests whose blocks are now leased to a decode
-    engine (``(block ids per group, lease seconds)``). ``aborted``: prefill requests freed without a transfer.
+    engine. ``aborted``: prefill requests freed without a transfer.
     """
 
     recv: dict[str, RecvReq] = field(default_factory=dict)
-    send: dict[str, tuple[BlockIds, float]] = field(default_factory=dict)
+    send: dict[str, SendLease] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
-
-
-def encode_control(kind: str, **fields: Any) -> bytes:
-    return json.dumps({"hkv_vllm": kind, **fields}, separators=(",", ":")).encode()
-
-
-def decode_control(payload: bytes) -> dict[str, Any] | None:
-    """A control message of this connector, or ``None`` for anything else (malformed included)."""
-    try:
-        msg = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return msg if isinstance(msg, dict) and isinstance(msg.get("hkv_vllm"), str) else None

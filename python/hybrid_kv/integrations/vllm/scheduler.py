@@ -6,35 +6,37 @@ engine (with a lease), and the ``kv_transfer_params`` the two engines (through a
 ``remote_host``/``remote_port`` (the side channel of TP rank 0 of that engine; rank ``r`` listens on
 ``port + r``), ``tp_size``, ``remote_num_tokens`` and ``transfer_mode``; plus ``lease_expires_at`` (the
 wall-clock time after which the prefill engine may free the blocks: a decode read ending later is a failure).
+Those fields are for routers only: the decode acts on nothing but ``hkv_ticket``, the prefill's signed ticket
+(``tickets``), checked once by ``params.TransferParams``. No hook raises for any ``kv_transfer_params``: a
+request whose params are refused fails alone, through the worker's failed-load path (so vLLM's
+``kv_load_failure_policy`` applies), with the reason logged in one line.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import os
 import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
+from ...transport.auth import resolve_secret
 from .config import ConnectorConfig
-from .metadata import BlockIds, HybridKvMetadata, RecvReq
+from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease
+from .params import TransferParams, parse_networks
 from .stats import HybridKvStats
+from .tickets import GRANT_BYTES, TICKET_FIELD, TICKET_VERSION, Ticket, TicketKey
 
 __all__ = ["SchedulerHalf"]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm.scheduler")
 
-_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
 
-
-def _lease_expiry(value: Any) -> float | None:
-    """``lease_expires_at`` from a peer's ``kv_transfer_params`` (untrusted): a finite number, else ``None``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    out = float(value)
-    return out if math.isfinite(out) else None
+def _wants_remote(params: Any, key: str) -> bool:
+    """Whether untrusted ``kv_transfer_params`` ask for ``key`` (``do_remote_prefill``/``do_remote_decode``)."""
+    return isinstance(params, dict) and params.get(key) is True
 
 
 class SchedulerHalf:
@@ -60,7 +62,11 @@ class SchedulerHalf:
             g.kv_cache_spec.num_speculative_blocks if isinstance(g.kv_cache_spec, MambaSpec) else None for g in groups
         ]
         self._recv: dict[str, RecvReq] = {}
-        self._send: dict[str, tuple[BlockIds, float]] = {}
+        self._send: dict[str, SendLease] = {}
+        self.tickets = TicketKey(
+            resolve_secret(None, insecure=cfg.insecure, required=True, what=f"engine {engine_id!r}")
+        )
+        self.params = TransferParams(self.tickets, cfg.mode, len(groups), parse_networks(cfg.peer_networks))
         self._aborted: set[str] = set()
         self.stats = HybridKvStats()
         log.info(
@@ -91,6 +97,12 @@ class SchedulerHalf:
             out.append([int(b) for b in blocks])
         return out
 
+    def max_blocks(self, request: Any) -> list[int]:
+        """Per transfer group, the most remote blocks a ticket may name for ``request``: one per prompt token
+        (a block holds at least one), and for SSM groups the running state plus its speculative slots."""
+        prompt = int(request.num_prompt_tokens) + 1
+        return [prompt if spec is None else spec + 2 for spec in self._ssm_spec]
+
     def backoff(self) -> int:
         """Trailing prompt tokens the prefill leaves to the decode (SSM models: the decode recomputes the
         last token from the state after N-1 tokens)."""
@@ -100,7 +112,7 @@ class SchedulerHalf:
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or params.get("_hkv_truncated"):
+        if not _wants_remote(params, "do_remote_decode") or params.get("_hkv_truncated"):
             return
         n = self.backoff()
         if n and request.num_prompt_tokens > n and request.prompt_token_ids is not None:
@@ -114,7 +126,7 @@ class SchedulerHalf:
         t0 = time.perf_counter()
         params = request.kv_transfer_params
         count = 0
-        if params and params.get("do_remote_prefill"):
+        if _wants_remote(params, "do_remote_prefill"):
             prompt = len(request.prompt_token_ids or [])
             n = self.backoff()
             count = max(0, (prompt - n if n and prompt > n else prompt) - num_computed_tokens)
@@ -124,26 +136,40 @@ class SchedulerHalf:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         t0 = time.perf_counter()
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
-            if all(k in params for k in _REMOTE_FIELDS):
+        if _wants_remote(params, "do_remote_prefill"):
+            try:
                 local = self.clip(blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else []
-                self._recv[request.request_id] = self._recv_req(request.request_id, local, params)
-            else:
-                log.warning("request %s: kv_transfer_params lack %s; loading nothing", request.request_id, params)
+            except Exception as exc:  # noqa: BLE001 - never raise into vLLM's schedule()
+                log.error("hybrid-kv: request %s: its blocks could not be read: %s", request.request_id, exc)
+                local = []
+            req = self._recv_req(request, local, params)
+            if req.refused is None or any(local):  # a refused request with blocks to fill fails in the worker
+                self._recv[request.request_id] = req
             params["do_remote_prefill"] = False
         self.stats.add_time("scheduler_s", time.perf_counter() - t0)
 
-    def _recv_req(self, request_id: str, local: BlockIds, params: dict[str, Any]) -> RecvReq:
+    def _recv_req(self, request: Any, local: BlockIds, params: dict[str, Any]) -> RecvReq:
+        """The request to load from ``params`` (untrusted): from its verified ticket only, or a refusal."""
+        try:
+            ticket = self.params.check(params, self.max_blocks(request), time.time())
+        except Exception as exc:  # noqa: BLE001 - defence in depth: check() never raises; this hook must not
+            ticket = f"kv_transfer_params could not be checked: {type(exc).__name__}"
+        if isinstance(ticket, str):
+            self.stats.count("num_refused_tickets")
+            log.warning("hybrid-kv: request %s refused: %s", request.request_id, ticket)
+            return RecvReq.refusal(request.request_id, local, ticket)
         return RecvReq(
-            request_id=request_id,
+            request_id=request.request_id,
             local_block_ids=local,
-            remote_engine_id=str(params["remote_engine_id"]),
-            remote_request_id=str(params["remote_request_id"]),
-            remote_block_ids=[list(map(int, g)) for g in (params.get("remote_block_ids") or [])],
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
-            remote_tp_size=int(params["tp_size"]),
-            lease_expires_at=_lease_expiry(params.get("lease_expires_at")),
+            remote_engine_id=ticket.engine_id,
+            remote_request_id=ticket.request_id,
+            remote_block_ids=ticket.block_ids,
+            remote_host=ticket.host,
+            remote_port=ticket.port,
+            remote_tp_size=ticket.tp_size,
+            lease_expires_at=ticket.expires_at,
+            max_lease_expires_at=ticket.max_expires_at,
+            grant=ticket.grant,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> HybridKvMetadata:
@@ -159,23 +185,39 @@ class SchedulerHalf:
         t0 = time.perf_counter()
         try:
             params = request.kv_transfer_params
-            if not params:
-                return False, None
-            if params.get("do_remote_prefill"):
+            if _wants_remote(params, "do_remote_prefill"):
                 # aborted before its blocks were allocated: tell the prefill engine to free its blocks
-                if all(k in params for k in _REMOTE_FIELDS):
-                    self._recv[request.request_id] = self._recv_req(request.request_id, [], params)
+                req = self._recv_req(request, [], params)
+                if req.refused is None:
+                    self._recv[request.request_id] = req
                 params["do_remote_prefill"] = False
                 return False, None
-            if not params.get("do_remote_decode"):
+            if not _wants_remote(params, "do_remote_decode"):
                 return False, None
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 self._aborted.add(request.request_id)
                 return False, None
             ids = self.clip(block_ids)
             delay = any(ids)
+            grant = os.urandom(GRANT_BYTES)
+            # the workers' leases start when they receive this step's metadata, i.e. no earlier
+            expires = time.time() + self.cfg.lease_s
             if delay:
-                self._send[request.request_id] = (ids, self.cfg.lease_s)
+                self._send[request.request_id] = SendLease(ids, self.cfg.lease_s, grant, self.cfg.lease_max_extension_s)
+            ticket = Ticket(
+                version=TICKET_VERSION,
+                engine_id=self.engine_id,
+                request_id=request.request_id,
+                grant=grant,
+                block_ids=ids,
+                host=self.host,
+                port=self.port,
+                tp_size=self.tp_size,
+                num_tokens=int(request.num_computed_tokens),
+                expires_at=expires,
+                max_expires_at=expires + self.cfg.lease_max_extension_s,
+                mode=self.cfg.mode,  # type: ignore[arg-type]  # checked by ConnectorConfig
+            )
             return delay, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -186,9 +228,9 @@ class SchedulerHalf:
                 "remote_port": self.port,
                 "tp_size": self.tp_size,
                 "remote_num_tokens": int(request.num_computed_tokens),
-                # the workers' leases start when they receive this step's metadata, i.e. no earlier
-                "lease_expires_at": time.time() + self.cfg.lease_s if delay else None,
+                "lease_expires_at": expires if delay else None,
                 "transfer_mode": self.cfg.mode,
+                TICKET_FIELD: self.tickets.issue(ticket),
             }
         finally:
             self.stats.add_time("scheduler_s", time.perf_counter() - t0)

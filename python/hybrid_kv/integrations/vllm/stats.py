@@ -20,7 +20,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 __all__ = ["SERIES", "COUNTERS", "HybridKvPromMetrics", "HybridKvStats"]
 
 SERIES = ("xfer_time_s", "post_time_s", "bytes", "descriptors", "ids")
-COUNTERS = ("num_failed_transfers", "num_failed_handshakes", "num_expired_leases")
+COUNTERS = (
+    "num_failed_transfers",
+    "num_failed_handshakes",
+    "num_expired_leases",
+    "num_refused_tickets",
+    "num_lease_renewals",
+)
 # Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
 # parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
 # side-channel round trip each), ``Endpoint.poll`` (NIXL progress and notifications)
@@ -121,6 +127,14 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "num_expired_leases": (
                 "vllm:hybrid_kv_num_kv_expired_reqs",
                 "Prefill requests whose blocks were freed by lease expiry, not by the decode's completion.",
+            ),
+            "num_refused_tickets": (
+                "vllm:hybrid_kv_num_refused_tickets",
+                "Decode requests whose kv_transfer_params (ticket) were refused: forged, malformed, expired, reused.",
+            ),
+            "num_lease_renewals": (
+                "vllm:hybrid_kv_num_lease_renewals",
+                "Prefill leases a decode renewed while its handshake was still running.",
             ),
         }
         self._hist = {

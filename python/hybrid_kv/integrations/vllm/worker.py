@@ -34,9 +34,12 @@ from ..._core import RegionTable, compat_hash, handshake_target_ranks
 from ...link_pool import LinkPool
 from ...peer_link import PeerLink, PreparedLink, attach_link, prepare_link, target_addresses
 from ...transport import Endpoint, RequestHandle, Transfer, TransferError
+from . import control
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, rank_table
-from .metadata import BlockIds, HybridKvMetadata, RecvReq, decode_control, encode_control
+from .leases import LeaseBook, renewal_until
+from .metadata import BlockIds, HybridKvMetadata, RecvReq
+from .params import host_allowed, parse_networks
 from .stats import HybridKvStats
 
 __all__ = ["WorkerHalf"]
@@ -95,11 +98,11 @@ class WorkerHalf:
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.invalid_blocks: set[int] = set()
-        # prefill side: leased requests (expiry, consumers still owed), early releases, push registrations
-        self.leased: dict[str, tuple[float, BlockIds]] = {}
-        self.released: dict[str, set[str]] = {}
-        self.consumers: dict[str, int] = {}
-        self.push_regs: dict[str, dict[str, Any]] = {}
+        # prefill side: leased requests and what decode engines said about them (``leases``)
+        self.leases = LeaseBook(self.name)
+        self._refused = control.Refusals(self.name)
+        self._networks = parse_networks(cfg.peer_networks)
+        self._renewing: set[str] = set()  # decode requests whose lease renewal is being sent
         # decode side, push: partners still to answer, senders that write, by local request id
         self.push_wait: dict[str, dict[str, Any]] = {}
         # handshakes run in the background, one per engine, a bounded number at once; requests wait for them here
@@ -225,6 +228,40 @@ class WorkerHalf:
                 self._waiting[engine_id] = [(d, j) for d, j in parked if now < d]
                 for job in late:
                     self._job_failed(job, f"handshake with {engine_id} not done within {self.cfg.transfer_timeout_s} s")
+        self._renew_parked()
+
+    def _renew_parked(self) -> None:
+        """Decode side: ask the prefill to extend the lease of requests still waiting for their handshake
+        (``control.Renew``, carrying the ticket's grant, never past its ``max_lease_expires_at``), so a slow
+        first handshake to a new peer does not outlive the lease. Sent on the control thread; the request's
+        lease is moved only once every prefill rank it reads from acknowledged."""
+        wall = time.time()
+        for parked in self._waiting.values():
+            for _, job in parked:
+                if not isinstance(job, RecvReq) or job.request_id in self._renewing:
+                    continue
+                until = renewal_until(job.lease_expires_at, job.max_lease_expires_at, wall, self.cfg.lease_s)
+                if until is not None:
+                    self._renewing.add(job.request_id)
+                    self._control_pool.submit(self._renew_now, job, until)
+
+    def _renew_now(self, job: RecvReq, until: float) -> None:
+        """Send ``job``'s renewal to each prefill rank it reads from (control thread); logged, never raised."""
+        try:
+            assert self.server is not None
+            msg = control.encode(control.Renew(req=job.remote_request_id, grant=job.grant, until=until))
+            for r in handshake_target_ranks(self.tp_rank, self.tp_size, job.remote_tp_size):
+                self.server.send_control(
+                    self._address(job.remote_host, job.remote_port, r), msg, self.cfg.handshake_timeout_s
+                )
+            job.lease_expires_at = until
+            self.stats.count("num_lease_renewals")
+            left = until - time.time()
+            log.info("hybrid-kv %s: lease of %s renewed to %.1f s from now", self.name, job.request_id, left)
+        except Exception as exc:  # noqa: BLE001 - a lost renewal leaves the lease as it was
+            log.warning("hybrid-kv %s: renewing the lease of %s failed: %s", self.name, job.request_id, exc)
+        finally:
+            self._renewing.discard(job.request_id)
 
     def _attach(self, prepared: PreparedLink) -> PeerLink:
         """Connect a prepared link on the worker's endpoint (its thread): the engine's tables become its own scope."""
@@ -247,7 +284,7 @@ class WorkerHalf:
             self._recv_failed(job.request_id, job.local_block_ids, None)
         else:
             log.error("hybrid-kv %s: push of %s failed: %s", self.name, job, reason)
-            self.push_regs.pop(job, None)
+            self.leases.drop(job)
             self.stats.count("num_failed_transfers")
             self._sent(job)
 
@@ -260,15 +297,15 @@ class WorkerHalf:
         handshake and is posted on a later step (``get_finished`` or the next ``start_load_kv``).
         """
         t0 = time.perf_counter()
-        now = time.monotonic()
-        for rid, (ids, lease_s) in meta.send.items():
-            self.leased[rid] = (now + lease_s, ids)
+        for rid, send in meta.send.items():
+            self.leases.add(rid, send)
         for rid in meta.aborted:
-            self.released.pop(rid, None)
-            self.push_regs.pop(rid, None)
+            self.leases.drop(rid)
         self._poll_handshakes()
         for req in meta.recv.values():
-            if self.cfg.mode == "pull":
+            if req.refused is not None:  # its kv_transfer_params were refused: it fails alone, as a failed load
+                self._job_failed(req, f"kv_transfer_params refused: {req.refused}")
+            elif self.cfg.mode == "pull":
                 link = self._link(req.remote_engine_id, req.remote_host, req.remote_port, req.remote_tp_size, req)
                 if link is not None:
                     self._load(req)
@@ -290,7 +327,7 @@ class WorkerHalf:
 
     def _start_pull(self, req: RecvReq, link: PeerLink) -> None:
         consumers = max(1, self.tp_size // req.remote_tp_size)
-        release = encode_control("release", req=req.remote_request_id, consumers=consumers)
+        release = control.encode(control.Release(req=req.remote_request_id, grant=req.grant, consumers=consumers))
         releases = [(link.addresses[r], release) for r in link.targets]
         transfers: list[Transfer] = []
         if any(req.local_block_ids) and any(req.remote_block_ids):
@@ -337,65 +374,73 @@ class WorkerHalf:
         """Decode side of push: register our blocks with the prefill ranks we pair with, then await them."""
         assert self.server is not None
         targets = list(handshake_target_ranks(self.tp_rank, self.tp_size, req.remote_tp_size))
-        if not any(req.local_block_ids):
-            msg = encode_control("push_reg", p_req=req.remote_request_id, d_req=req.request_id, ids=[], engine="")
-            self._send_controls(
-                self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets]
-            )
-            self.finished_recving.add(req.request_id)
-            return
-        msg = encode_control(
-            "push_reg",
+        reg = control.PushReg(
             p_req=req.remote_request_id,
+            grant=req.grant,
             d_req=req.request_id,
-            ids=req.local_block_ids,
+            ids=req.local_block_ids if any(req.local_block_ids) else [],
             engine=self.engine_id,
             host=self.cfg.advertise_host,
             port=self.port - self.tp_rank,
             tp=self.tp_size,
         )
+        msg = control.encode(reg)
+        if not reg.ids:
+            self._send_controls(
+                self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets]
+            )
+            self.finished_recving.add(req.request_id)
+            return
         self.push_wait[req.request_id] = {
             "partners": len(targets),
-            "answered": set(),
-            "writers": 0,
+            "names": control.writer_names(req.remote_engine_id, targets, self.engine_id),  # name -> rank
+            "answered": set(),  # ranks
+            "writers": set(),  # names (NIXL agents) that write
             "ids": req.local_block_ids,
             "deadline": time.monotonic() + self.cfg.push_registration_timeout_s,
         }
         self._send_controls(self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets])
 
-    def _on_push_plan(self, sender: str, msg: dict[str, Any]) -> None:
-        rid = str(msg.get("d_req"))
+    def _on_push_plan(self, sender: str, msg: control.PushPlan) -> None:
+        """A prefill rank's answer to our registration: only the ranks we registered with answer, once each,
+        and the request completes only from the NIXL agents that said they write (``expect(writers=)``)."""
+        rid = msg.d_req
         wait = self.push_wait.get(rid)
-        if wait is None or sender in wait["answered"]:
+        if wait is None:
+            self._refused(sender, f"push plan for {rid!r}, which awaits none")
             return
-        wait["answered"].add(sender)
-        wait["writers"] += int(bool(msg.get("writes")))
+        rank = wait["names"].get(sender)
+        if rank is None or rank in wait["answered"]:
+            self._refused(sender, f"push plan for {rid!r} from a sender that is not a prefill rank it awaits")
+            return
+        wait["answered"].add(rank)
+        if msg.writes:
+            wait["writers"].add(sender)
         if len(wait["answered"]) < wait["partners"]:
             return
         del self.push_wait[rid]
-        if wait["writers"] == 0:
+        if not wait["writers"]:
             self.finished_recving.add(rid)
             return
         assert self.server is not None
-        self.server.expect(rid, max(1.0, wait["deadline"] - time.monotonic()), senders=wait["writers"])
+        self.server.expect(rid, max(1.0, wait["deadline"] - time.monotonic()), writers=wait["writers"])
         self.inflight[rid] = _Inflight(rid, "recv", None, [], time.perf_counter(), None, 0, wait["ids"])
 
     def _match_pushes(self) -> None:
         """Prefill side of push: WRITE every request that finished here and has a decode registration."""
-        for p_req in [r for r in self.push_regs if r in self.leased]:
-            reg = self.push_regs[p_req]
-            _, local_ids = self.leased[p_req]
-            d_req = str(reg["d_req"])
+        for p_req, lease, reg in self.leases.registered():
+            local_ids, d_req = lease.block_ids, reg.d_req
             try:
-                if not any(reg["ids"]):
-                    del self.push_regs[p_req]
+                if not any(reg.ids):
                     self._sent(p_req)
                     continue
-                link = self._link(str(reg["engine"]), str(reg["host"]), int(reg["port"]), int(reg["tp"]), p_req)
+                if not host_allowed(reg.host, self._networks):
+                    raise TransferError(f"decode host {reg.host!r} is outside the allowed peer networks")
+                link = self._link(reg.engine, reg.host, reg.port, reg.tp, p_req)
                 if link is None:
                     continue  # handshake in the background; pushed on a later step
-                del self.push_regs[p_req]
-                transfers = link.transfers(local_ids, reg["ids"])
+                self.leases.drop(p_req)
+                transfers = link.transfers(local_ids, reg.ids)
                 writers = {link.rank_of(t.peer) for t in transfers}
                 if transfers:
                     self._post(d_req, "send", link, transfers, "WRITE", self.cfg.transfer_timeout_s, local_ids)
@@ -405,7 +450,7 @@ class WorkerHalf:
                 self._send_controls(
                     link.ep,
                     [
-                        (link.addresses[r], encode_control("push_plan", d_req=d_req, writes=r in writers))
+                        (link.addresses[r], control.encode(control.PushPlan(d_req=d_req, writes=r in writers)))
                         for r in link.targets
                     ],
                 )
@@ -415,8 +460,7 @@ class WorkerHalf:
     # ------------------------------------------------------------------ completion
 
     def _sent(self, p_req: str) -> None:
-        self.leased.pop(p_req, None)
-        self.released.pop(p_req, None)
+        self.leases.drop(p_req)
         self.finished_sending.add(p_req)
 
     def _recv_failed(self, rid: str, local_ids: BlockIds, failed: Any) -> None:
@@ -453,18 +497,19 @@ class WorkerHalf:
         return (hit & all_ids) or all_ids
 
     def _on_control(self, sender: str, payload: bytes) -> None:
-        msg = decode_control(payload)
-        if msg is None:
+        """A control message (``control``): typed and bounded, bound to its sender and to its ticket's grant;
+        anything else is refused and logged, never raised."""
+        try:
+            msg = control.decode(payload)
+        except control.ControlError as exc:
+            self._refused(sender, str(exc))
             return
-        kind = msg["hkv_vllm"]
-        if kind == "release":
-            rid = str(msg.get("req"))
-            self.consumers[rid] = max(1, int(msg.get("consumers", 1)))
-            self.released.setdefault(rid, set()).add(sender)
-        elif kind == "push_reg":
-            self.push_regs.setdefault(str(msg.get("p_req")), msg)
-        elif kind == "push_plan":
+        if isinstance(msg, control.PushPlan):
             self._on_push_plan(sender, msg)
+            return
+        reason = self.leases.on_message(sender, msg)
+        if reason is not None:
+            self._refused(sender, reason)
 
     def _progress(self) -> None:
         self._poll_handshakes()
@@ -481,17 +526,12 @@ class WorkerHalf:
                     self._finish(err.request_id, err)
         if self.cfg.mode == "push":
             self._match_pushes()
-        now = time.monotonic()
-        for rid, (expiry, _) in list(self.leased.items()):
-            owed = self.consumers.get(rid)
-            if owed is not None and len(self.released.get(rid, ())) >= owed:
-                self.consumers.pop(rid, None)
-                self._sent(rid)
-            elif now >= expiry:
+        for rid, expired in self.leases.take_due():
+            if expired:
                 log.warning("hybrid-kv %s: lease of %s expired before its decode engine released it", self.name, rid)
                 self.stats.count("num_expired_leases")
-                self.consumers.pop(rid, None)
-                self._sent(rid)
+            self._sent(rid)
+        now = time.monotonic()
         for rid, wait in list(self.push_wait.items()):
             if now >= wait["deadline"]:
                 del self.push_wait[rid]

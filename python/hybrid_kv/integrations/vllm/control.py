@@ -1,0 +1,136 @@
+"""The control messages the connector's workers exchange over hybrid-kv's side channel, typed and bounded.
+
+A control message arrives authenticated (a holder of the deployment secret sent it, under the name it
+claims: ``ControlMessage.sender``) but its contents are still untrusted: ``decode`` accepts exactly one of
+the structs below (a tagged union, msgpack through msgspec: every field typed and range-checked, unknown
+fields refused) and raises ``ControlError`` for anything else, so no payload can raise out of
+``get_finished()`` as anything but a refusal the worker logs.
+
+Every message about a prefill request carries the ``grant`` of the ticket the prefill issued for it
+(``tickets``): the prefill acts on it only if the grant is the one it leased (``leases.LeaseBook``).
+
+- ``Release`` (decode -> prefill, pull): this decode rank is done with the request's blocks; the prefill
+  frees them once ``consumers`` distinct ranks released them.
+- ``Renew`` (decode -> prefill): the decode is still connecting; keep the blocks until ``until`` (bounded by
+  the ticket's ``max_expires_at``).
+- ``PushReg`` (decode -> prefill, push): write the request into these decode blocks of engine ``engine``
+  (sent by that engine's rank, which the prefill checks against the sender's name).
+- ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Annotated
+
+import msgspec
+
+from ...limits import MAX_TP_SIZE
+from .tickets import BlockIdLists, Grant, Name, RequestId, WallTime
+
+__all__ = [
+    "Control",
+    "ControlError",
+    "PushPlan",
+    "PushReg",
+    "Refusals",
+    "Release",
+    "Renew",
+    "decode",
+    "encode",
+    "rank_of",
+    "writer_names",
+]
+
+log = logging.getLogger("hybrid_kv.integrations.vllm.control")
+
+TAG_FIELD = "hkv_vllm"
+
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class ControlError(ValueError):
+    """A control payload that is not one of this connector's messages (the message says why)."""
+
+
+class Release(msgspec.Struct, tag="release", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    req: RequestId
+    grant: Grant
+    consumers: TpSize
+
+
+class Renew(msgspec.Struct, tag="renew", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    req: RequestId
+    grant: Grant
+    until: WallTime
+
+
+class PushReg(msgspec.Struct, tag="push_reg", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    p_req: RequestId
+    grant: Grant
+    d_req: RequestId
+    ids: BlockIdLists
+    engine: Name
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    port: Port  # side channel of the decode engine's TP rank 0
+    tp: TpSize
+
+
+class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    d_req: RequestId
+    writes: bool
+
+
+Control = Release | Renew | PushReg | PushPlan
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Control)
+
+
+def encode(msg: Control) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(payload: bytes) -> Control:
+    """The control message in ``payload`` (untrusted); raises ``ControlError`` naming what is wrong."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise ControlError(f"not a hybrid-kv control message: {exc}") from None
+
+
+def rank_of(sender: str, engine_id: str, tp_size: int) -> int | None:
+    """The TP rank whose worker of ``engine_id`` is named ``sender`` (``<engine>-tp<rank>``), else ``None``."""
+    prefix = f"{engine_id}-tp"
+    tail = sender[len(prefix) :] if sender.startswith(prefix) else ""
+    if not (tail.isascii() and tail.isdigit()) or len(tail) > 4 or (len(tail) > 1 and tail[0] == "0"):
+        return None
+    rank = int(tail)
+    return rank if rank < tp_size else None
+
+
+def writer_names(engine_id: str, ranks: list[int], own_engine: str) -> dict[str, int]:
+    """The names (side-channel sender = NIXL agent) that may answer and write a push request of
+    ``engine_id``'s ``ranks`` into ``own_engine``, with the rank each stands for: a rank's worker
+    ``<engine>-tp<rank>``, or its per-peer endpoint ``<engine>-tp<rank>-><own_engine>``."""
+    out = {f"{engine_id}-tp{r}": r for r in ranks}
+    out.update({f"{engine_id}-tp{r}->{own_engine}": r for r in ranks})
+    return out
+
+
+class Refusals:
+    """Logs refused control messages: the first from each sender, then every 1024th (a flood costs no log)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.count: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, sender: str, reason: str) -> None:
+        if len(self.count) >= 4096 and sender not in self.count:
+            self.count.clear()  # bounded: a flood of new names restarts the count
+        self.count[sender] += 1
+        n = self.count[sender]
+        if n == 1 or n % 1024 == 0:
+            log.warning("hybrid-kv %s: control message from %r refused (%d so far): %s", self.name, sender, n, reason)

@@ -1,0 +1,188 @@
+"""Signed transfer tickets: what a prefill engine grants a decode engine, and nothing an API client can change.
+
+In vLLM the prefill's ``kv_transfer_params`` travel through the API client (a router, or anyone who can reach
+the decode server's HTTP port) to the decode engine, so every field a client hands over is untrusted. A
+prefill engine therefore puts what it grants into a ticket (``kv_transfer_params["hkv_ticket"]``) and MACs it
+with a key derived from the deployment secret (``HYBRID_KV_SECRET``: HKDF-SHA256 with its own label, so the
+ticket key is never the side-channel key); a decode engine acts only on a ticket whose tag verifies, and
+only on the ticket's fields: which engine and host to dial, which remote blocks to read, which request to
+release and with which grant.
+
+Encoding: the ``Ticket`` struct as a msgpack array (msgspec), then ``[body, tag]`` as a msgpack array
+(``tag`` = HMAC-SHA256 over ``body``, 32 bytes; empty in ``insecure`` mode), URL-safe base64 without padding.
+
+``grant`` is 16 random bytes naming this one grant: the prefill frees, renews or pushes a request only for
+a control message carrying it (``control``), so in ``insecure`` mode too (no key: tickets are unsigned and
+their fields are only range-checked) a client cannot release another client's request without having seen
+its ticket.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import hashlib
+import hmac
+import math
+from typing import Annotated, Literal
+
+import msgspec
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ...limits import MAX_TP_SIZE
+
+__all__ = [
+    "GRANT_BYTES",
+    "MAX_BLOCKS_PER_GROUP",
+    "MAX_SPENT_TICKETS",
+    "MAX_TICKET_CHARS",
+    "TICKET_FIELD",
+    "TICKET_INFO",
+    "Grant",
+    "SpentTickets",
+    "Ticket",
+    "TicketError",
+    "TicketKey",
+]
+
+TICKET_FIELD = "hkv_ticket"
+"""The ``kv_transfer_params`` key holding the ticket."""
+TICKET_VERSION = 1
+TICKET_INFO = b"hybrid-kv/vllm transfer ticket v1"
+"""HKDF ``info`` label of the ticket key (distinct from every other use of the secret)."""
+TAG_BYTES = 32
+GRANT_BYTES = 16
+MAX_GROUPS = 64
+"""Most transfer groups a ticket may name (the Rust core's ``MAX_GROUPS``)."""
+MAX_BLOCKS_PER_GROUP = 1 << 20
+"""Most block ids in one group of a ticket (a 16 M-token context in 16-token blocks); the decode bounds each
+group further by what its own request can hold (``params``)."""
+MAX_TICKET_CHARS = 12 * MAX_GROUPS * 1024 + 1024
+"""Longest ticket text decoded; longer is refused before base64 allocates (a ticket of a 64 K-token request
+in 16-token blocks over 4 groups is about 22 KB)."""
+MAX_SPENT_TICKETS = 1 << 17
+"""Live (unexpired) tickets a decode remembers as used; past that, new tickets are refused until some expire."""
+
+Grant = Annotated[bytes, msgspec.Meta(min_length=GRANT_BYTES, max_length=GRANT_BYTES)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+BlockIdLists = Annotated[
+    list[Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]], msgspec.Meta(max_length=MAX_GROUPS)
+]
+WallTime = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]  # also refuses NaN and infinities
+
+
+class TicketError(ValueError):
+    """A ticket that is malformed, forged, expired, reused or not meant for this engine (the message says which)."""
+
+
+class Ticket(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """What a prefill engine grants for one finished request."""
+
+    version: int
+    engine_id: Name  # the prefill engine
+    request_id: RequestId  # the prefill's request id (releases and renewals name it)
+    grant: Grant  # random; names this grant in every control message about it
+    block_ids: BlockIdLists  # the prefill's blocks per transfer group
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]  # side channel of its TP rank 0
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**40)]
+    expires_at: WallTime  # wall clock: the lease ends (the prefill may free the blocks)
+    max_expires_at: WallTime  # the latest a renewal while the decode connects may push ``expires_at`` to
+    mode: Literal["pull", "push"]
+
+
+class _Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    body: Annotated[bytes, msgspec.Meta(max_length=MAX_TICKET_CHARS)]
+    tag: Annotated[bytes, msgspec.Meta(max_length=TAG_BYTES)]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_envelope = msgspec.msgpack.Decoder(_Envelope).decode
+_decode_ticket = msgspec.msgpack.Decoder(Ticket).decode
+
+
+def derive_key(secret: bytes) -> bytes:
+    """The ticket key: HKDF-SHA256 of the deployment secret under ``TICKET_INFO``."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=TICKET_INFO).derive(secret)
+
+
+class TicketKey:
+    """Issues and opens tickets under one deployment secret (``None``: ``insecure`` mode, unsigned tickets).
+
+    A keyed opener refuses unsigned tickets; an unkeyed one cannot tell a forged ticket from a real one and
+    only checks its fields (``insecure`` trusts API clients with the blocks they name).
+    """
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._key = None if secret is None else derive_key(secret)
+
+    @property
+    def signed(self) -> bool:
+        return self._key is not None
+
+    def issue(self, ticket: Ticket) -> str:
+        body = _encode(ticket)
+        mac = b"" if self._key is None else hmac.new(self._key, body, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(_encode(_Envelope(body, mac))).rstrip(b"=").decode("ascii")
+
+    def open(self, text: object) -> Ticket:
+        """The ticket in ``text`` (untrusted), verified; raises ``TicketError`` naming what is wrong."""
+        if not isinstance(text, str):
+            raise TicketError(f"ticket must be a string, got {type(text).__name__}")
+        if len(text) > MAX_TICKET_CHARS:
+            raise TicketError(f"ticket is {len(text)} characters; at most {MAX_TICKET_CHARS} are accepted")
+        try:
+            raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+            env = _decode_envelope(raw)
+        except (binascii.Error, ValueError, msgspec.DecodeError) as exc:  # ValidationError is a DecodeError
+            raise TicketError(f"ticket is not a hybrid-kv ticket: {exc}") from None
+        if self._key is not None:
+            want = hmac.new(self._key, env.body, hashlib.sha256).digest()
+            if not env.tag:
+                raise TicketError("ticket is unsigned (issued by an insecure engine) and this engine has a secret")
+            if not hmac.compare_digest(want, env.tag):
+                raise TicketError("ticket signature does not verify (forged, altered, or another deployment's)")
+        try:
+            ticket = _decode_ticket(env.body)
+        except msgspec.DecodeError as exc:
+            raise TicketError(f"ticket fields are malformed: {exc}") from None
+        if ticket.version != TICKET_VERSION:
+            raise TicketError(f"ticket version {ticket.version}; this engine reads version {TICKET_VERSION}")
+        if not math.isfinite(ticket.expires_at) or not ticket.expires_at <= ticket.max_expires_at:
+            raise TicketError(
+                f"ticket lease ends at {ticket.expires_at} but may be renewed only to {ticket.max_expires_at}"
+            )
+        return ticket
+
+
+class SpentTickets:
+    """Grants of tickets a decode engine already acted on: a ticket is used once.
+
+    Each grant is remembered until its ticket's ``max_expires_at`` (after which the ticket is refused as
+    expired anyway), at most ``MAX_SPENT_TICKETS`` of them.
+    """
+
+    def __init__(self, limit: int = MAX_SPENT_TICKETS) -> None:
+        self._limit = limit
+        self._until: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def spend(self, ticket: Ticket, now: float) -> None:
+        """Record ``ticket`` as used at wall-clock ``now``; raises ``TicketError`` if it was already used."""
+        while self._until:  # expiries are nearly in insertion order: a few may linger briefly
+            grant, until = next(iter(self._until.items()))
+            if until > now:
+                break
+            del self._until[grant]
+        if ticket.grant in self._until:
+            raise TicketError(f"ticket of {ticket.engine_id!r}/{ticket.request_id!r} was already used")
+        if len(self._until) >= self._limit:
+            raise TicketError(f"too many live tickets: {self._limit} used and not yet expired")
+        self._until[ticket.grant] = ticket.max_expires_at
