@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import ConnectorConfig
+from .layout import prefer_ds_conv_layout
+from .logs import attach_to_vllm
 from .metadata import HybridKvMetadata
 from .scheduler import SchedulerHalf
 from .stats import HybridKvPromMetrics, HybridKvStats
@@ -27,6 +29,8 @@ from .worker import WorkerHalf
 __all__ = ["HybridKvConnector"]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm")
+attach_to_vllm()  # hybrid_kv records go to vLLM's log stream, in every process that loads the connector
+prefer_ds_conv_layout()  # before vLLM starts the engine processes (they inherit it): SSM conv states in DS
 
 
 class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]  # vLLM is untyped where it is not installed
@@ -34,6 +38,7 @@ class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, 
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        attach_to_vllm()  # again: vLLM may have reconfigured its logging since the import
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.resolve(ktc.kv_connector_extra_config)
         engine_id = ktc.engine_id

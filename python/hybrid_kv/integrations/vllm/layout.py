@@ -10,6 +10,7 @@ factors from a ``VllmConfig``.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,17 @@ from ..._core import LayoutError, RegionTable
 from ...layout import build_region_table, layer, rank_layout
 from ...torch_adapter import tensor_memory
 
-__all__ = ["RankGeometry", "compat_factors", "layer_spec", "rank_table", "transfer_group_kinds"]
+__all__ = [
+    "CONV_LAYOUT_ENV",
+    "RankGeometry",
+    "check_conv_layout",
+    "compat_factors",
+    "layer_spec",
+    "logical_block_tokens",
+    "prefer_ds_conv_layout",
+    "rank_table",
+    "transfer_group_kinds",
+]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm")
 
@@ -96,6 +107,42 @@ def layer_spec(spec: Any) -> dict[str, Any]:
     raise LayoutError(f"KV-cache spec {name} is not supported by hybrid-kv (not transferred)")
 
 
+CONV_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
+
+
+def prefer_ds_conv_layout() -> None:
+    """Ask vLLM for the DS conv-state layout (``(channels, conv rows)`` per state) unless the user chose one.
+
+    hybrid-kv's byte layout (docs/byte-layouts.md) has a channel range of a conv sub-projection contiguous, which
+    only DS gives; vLLM's default is SD (``(conv rows, channels)``), and its CPU platform selects DS only for
+    connectors named ``NixlConnector``. vLLM imports the connector while it builds its config (before it starts
+    the engine processes, which inherit the environment), so setting the variable here, as vLLM's platform does
+    for NIXL, makes every engine process create DS caches. ``check_conv_layout`` refuses an engine where it came
+    too late or the user chose SD.
+    """
+    os.environ.setdefault(CONV_LAYOUT_ENV, "DS")
+
+
+def check_conv_layout(kv_cache_config: Any) -> None:
+    """Refuse SSM groups stored in the SD conv-state layout (hybrid-kv plans DS bytes).
+
+    Raises:
+        LayoutError: the engine has SSM groups and its conv states are SD.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.transfer_groups):
+        return
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    layout = get_conv_state_layout()
+    if layout != "DS":
+        raise LayoutError(
+            f"this engine stores SSM conv states in the {layout} layout; hybrid-kv transfers the DS layout "
+            f"(docs/byte-layouts.md): start the engine with {CONV_LAYOUT_ENV}=DS (vLLM's NixlConnector needs it too)"
+        )
+
+
 def transfer_group_kinds(kv_cache_config: Any) -> list[str]:
     """``attention`` / ``mla`` / ``ssm`` per transfer group, in transfer-group order."""
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
@@ -113,6 +160,31 @@ def transfer_group_kinds(kv_cache_config: Any) -> list[str]:
         else:
             kinds.append("attention")
     return kinds
+
+
+def logical_block_tokens(groups: list[Any]) -> int:
+    """Tokens per logical block of the region table: the attention groups' block size.
+
+    An SSM group's block is one whole state per request whatever its token count (vLLM sets it to
+    ``max_model_len`` without prefix caching, or to the attention block size with it), so it does not enter the
+    region table's geometry. vLLM may give attention groups a block size of its own choosing (e.g. 640 tokens so
+    that an attention page is at least a mamba page), but every attention group shares it.
+
+    Raises:
+        LayoutError: attention groups with different block sizes.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    attention: set[int] = set()
+    ssm: set[int] = set()
+    for g in groups:
+        spec = unwrap(g.kv_cache_spec, g.layer_names[0])
+        (ssm if isinstance(spec, MambaSpec) else attention).add(int(spec.block_size))
+    if len(attention) > 1:
+        raise LayoutError(f"attention groups have different block sizes {sorted(attention)}; hybrid-kv needs one")
+    if attention:
+        return attention.pop()
+    return max(ssm)  # SSM layers only: the block size does not size any page
 
 
 @dataclass(frozen=True)
@@ -142,11 +214,9 @@ def rank_table(
     groups = list(kv_cache_config.transfer_groups)
     if not groups:
         raise LayoutError("the KV-cache config has no transfer groups")
+    check_conv_layout(kv_cache_config)
     num_blocks = int(kv_cache_config.num_blocks)
-    logical = {int(unwrap(g.kv_cache_spec, g.layer_names[0]).block_size) for g in groups}
-    if len(logical) != 1:
-        raise LayoutError(f"transfer groups have different block sizes {sorted(logical)}; hybrid-kv needs one")
-    logical_block_size = logical.pop()
+    logical_block_size = logical_block_tokens(groups)
     entries = []
     ppl_seen: set[int] = set()
     mem_types: set[str] = set()

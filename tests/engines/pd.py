@@ -1,0 +1,189 @@
+"""A prefill/decode engine pair for one model and one connector, and what the tests compare its output with.
+
+``PdPair.start`` starts the decode and the prefill engine together (``vllm serve`` each, own side-channel port,
+``kv_load_failure_policy: fail`` so a request whose KV did not arrive fails instead of being recomputed: a
+delivered request is one whose KV was transferred). ``reference`` runs a prompt on the prefill engine itself
+*without* ``kv_transfer_params``: the connector then takes no part (its scheduler hooks match no external
+tokens, nothing is saved or leased), so that is the single engine's computation. It serves the prompt twice:
+``fresh`` (the whole prompt in one prefill) and ``cached`` (the same prompt again, its full blocks from the
+prefix cache and the rest computed over them). With prompts one token longer than a multiple of the block size,
+``cached`` computes exactly what a decode engine computes after a transfer (the last prompt token over the
+prompt's cached KV), so it is the reference a correct transfer must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import HKV_CONNECTOR, NIXL_CONNECTOR, Engine, EngineError, free_port_range, logprobs, tokens
+
+START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "600"))
+
+CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # name -> (kv_transfer_config, kv_connector_extra_config)
+    "hybrid-kv-pull": (HKV_CONNECTOR, {"mode": "pull"}),
+    "hybrid-kv-push": (HKV_CONNECTOR, {"mode": "push"}),
+    "nixl": (NIXL_CONNECTOR, {}),
+}
+
+
+def prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
+    """A deterministic prompt of ``n`` token ids (no tokenizer: ids only)."""
+    state = (seed * 2654435761 + 12345) & 0xFFFFFFFF
+    out = []
+    for _ in range(n):
+        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+        out.append(1 + state % (vocab - 1))
+    return out
+
+
+@dataclass
+class Reference:
+    fresh_tokens: list[int]
+    fresh_logprobs: list[float]
+    cached_tokens: list[int]
+    cached_logprobs: list[float]
+
+
+@dataclass
+class PdPair:
+    model_name: str
+    connector: str
+    prefill: Engine
+    decode: Engine
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(
+        cls,
+        model_name: str,
+        model: Path,
+        connector: str,
+        log_dir: Path,
+        running: list[Any],
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        decode_tp: int = 1,
+        prefill_args: list[str] | None = None,
+    ) -> PdPair:
+        ktc, extra = CONNECTORS[connector]
+        engines = []
+        for role in ("decode", "prefill"):
+            tp = decode_tp if role == "decode" else 1
+            port = free_port_range(8)
+            cfg = dict(ktc, engine_id=f"{model_name}-{connector}-{role}", kv_load_failure_policy="fail")
+            if extra:
+                cfg["kv_connector_extra_config"] = dict(extra)
+            e_env = {"HYBRID_KV_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+            e_env.update(env or {})
+            args = list(extra_args or [])
+            if role == "prefill":
+                args += list(prefill_args or [])
+            if tp > 1:
+                args += ["--tensor-parallel-size", str(tp)]
+            e = Engine(f"{model_name}-{connector}-{role}", model, log_dir, cfg, args, e_env)
+            engines.append(e)
+        decode, prefill = engines
+        for e in engines:
+            running.append(e)
+            e.start()
+        for e in engines:
+            e.wait_ready(START_TIMEOUT_S)
+        return cls(model_name, connector, prefill, decode)
+
+    def stop(self, running: list[Any]) -> None:
+        for e in (self.prefill, self.decode):
+            e.stop()
+            if e in running:
+                running.remove(e)
+
+    def reference(self, p: list[int], max_tokens: int) -> Reference:
+        a = self.prefill.complete(p, max_tokens)
+        b = self.prefill.complete(p, max_tokens)
+        return Reference(tokens(a), logprobs(a), tokens(b), logprobs(b))
+
+
+def max_delta(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@contextlib.contextmanager
+def cpu_load(procs_per_core: int = 2) -> Iterator[int]:
+    """Busy processes on every core (``procs_per_core`` per core), started and killed here; yields their count."""
+    import subprocess
+    import sys
+
+    n = (os.cpu_count() or 1) * procs_per_core
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)]
+    try:
+        time.sleep(1.0)
+        yield n
+    finally:
+        for b in busy:
+            b.kill()
+        for b in busy:
+            b.wait(timeout=10)
+
+
+def wait_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise EngineError(f"requests still running after {timeout_s:.0f} s")
+
+
+def pair_fixture_body(
+    model_name: str, connector: str, models_root: Path, logs_root: Path, running: list[Any], **kw: Any
+) -> Iterator[PdPair]:
+    """Start a pair (module-scoped fixtures yield from this), always stopping every engine it started."""
+    from models import write_model
+
+    model = write_model(model_name, models_root)
+    before = list(running)
+    p = None
+    try:
+        p = PdPair.start(model_name, model, connector, logs_root, running, **kw)
+        yield p
+    finally:
+        for e in [e for e in running if e not in before]:
+            e.stop()
+            running.remove(e)
+
+
+def compare_tokens(
+    pair: PdPair, results: dict[str, list[dict[str, Any]]], lengths: list[int], max_tokens: int, seed: int = 10
+) -> list[tuple[int, Any, Reference]]:
+    """Route each prompt (lengths ``lengths``) through the pair and compute its single-engine references;
+    records one row per prompt in ``results["tokens"]``."""
+    from proxy import route
+
+    rows = []
+    for i, n in enumerate(lengths):
+        p = prompt(seed + i, n)
+        ref = pair.reference(p, max_tokens)
+        out = route(pair.prefill, pair.decode, p, max_tokens)
+        rows.append((n, out, ref))
+        results.setdefault("tokens", []).append(
+            {
+                "model": pair.model_name,
+                "connector": pair.connector,
+                "prompt_len": n,
+                "decode_tokens": out.tokens,
+                "fresh_ref_tokens": ref.fresh_tokens,
+                "cached_ref_tokens": ref.cached_tokens,
+                "equal_cached_ref": out.tokens == ref.cached_tokens,
+                "equal_fresh_ref": out.tokens == ref.fresh_tokens,
+                "max_logprob_delta_cached": max_delta(out.logprobs, ref.cached_logprobs)
+                if len(out.logprobs) == len(ref.cached_logprobs)
+                else None,
+            }
+        )
+    return rows
