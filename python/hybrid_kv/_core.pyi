@@ -205,6 +205,12 @@ class PeerPlan:
     def local_bytes(self, key: str, ids: npt.NDArray[np.int32]) -> int:
         """Bytes of local descriptors ``ids`` of table ``key`` (what a transfer with these local ids moves);
         raises ``PlanError`` for no such table or an id outside it."""
+    def failed_blocks(self, key: str, ids: npt.NDArray[np.int32]) -> list[npt.NDArray[np.uint64]]:
+        """The local logical block ids, one uint64 array per group (ascending, unique), whose bytes local
+        descriptors ``ids`` of table ``key`` move: the blocks a failed transfer with these local ids leaves
+        unknown. A region several groups share lists its blocks under each of them (a request names each block in
+        one group only: intersect group by group with the request's ids). Raises ``PlanError`` for no such table
+        or an id outside it."""
     def plan(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> Plan:
         """Plan one request from each side's logical block ids per group (lists are read fastest; numpy
         integer arrays work too); raises ``PlanError``."""

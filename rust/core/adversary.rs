@@ -441,8 +441,14 @@ fn try_plan(rng: &mut Rng, case: &Case, remotes: &[AgentMeta], report: &mut Repo
                 (start..start.saturating_add(n)).collect()
             }
         };
-        let local_ids: Vec<Vec<u64>> = (0..groups).map(|_| pick(rng, local_blocks, n)).collect();
-        let remote_ids: Vec<Vec<u64>> = (0..groups).map(|_| pick(rng, remote_blocks, n)).collect();
+        let mut local_ids: Vec<Vec<u64>> = (0..groups).map(|_| pick(rng, local_blocks, n)).collect();
+        let mut remote_ids: Vec<Vec<u64>> = (0..groups).map(|_| pick(rng, remote_blocks, n)).collect();
+        if rng.below(4) != 0 {
+            // Most requests name each block in one group only (as vLLM's shared block pool does); the others
+            // may name one block in several groups, which a plan must refuse where the groups share tensors.
+            distinct_across_groups(&mut local_ids);
+            distinct_across_groups(&mut remote_ids);
+        }
         let Ok(plan) = peer.plan(&local_ids, &remote_ids) else {
             continue;
         };
@@ -461,6 +467,15 @@ fn try_plan(rng: &mut Rng, case: &Case, remotes: &[AgentMeta], report: &mut Repo
                 }
             }
         }
+    }
+}
+
+/// Drop from each group's list the ids an earlier group lists.
+fn distinct_across_groups(ids: &mut [Vec<u64>]) {
+    let mut seen: Vec<u64> = Vec::new();
+    for list in ids {
+        list.retain(|id| !seen.contains(id));
+        seen.extend(list.iter().copied());
     }
 }
 

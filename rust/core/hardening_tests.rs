@@ -3,10 +3,13 @@
 //! anything is allocated for it.
 
 use super::adversary::{cases, Case};
+use super::fixtures::deepseek_v3_like;
 use super::handshake::{decode, encode, findings, Expected, HandshakeError};
-use super::meta::AgentMeta;
+use super::layout::RankLayout;
+use super::meta::{AgentMeta, EngineInfo, TransferMode};
 use super::plan::PeerPlan;
 use super::plan::{PlanError, Side};
+use super::region::RegionTable;
 use super::tp::{handshake_target_ranks, TpMapping, MAX_TP_SIZE};
 
 /// Kimi-shaped hybrid, decode TP 1 pulling from prefill TP 2 (valid as built).
@@ -160,8 +163,8 @@ fn a_region_smaller_than_its_ssm_states_is_refused_by_peer_plan() {
 fn duplicate_block_ids_are_refused_naming_the_id() {
     let case = kimi();
     let peer = PeerPlan::new(&case.local, &case.remotes, case.mode).unwrap();
-    let ok_local = vec![vec![1, 2], vec![1], vec![1], vec![1]];
-    let ok_remote = vec![vec![3, 4, 5, 6], vec![3], vec![3], vec![3]];
+    let ok_local = vec![vec![1, 2], vec![3], vec![4], vec![5]];
+    let ok_remote = vec![vec![3, 4, 5, 6], vec![7], vec![8], vec![9]];
     assert!(peer.plan(&ok_local, &ok_remote).is_ok());
     let mut local = ok_local.clone();
     local[0] = vec![2, 1, 2];
@@ -174,10 +177,168 @@ fn duplicate_block_ids_are_refused_naming_the_id() {
         }
     );
     let mut remote = ok_remote.clone();
-    remote[2] = vec![3, 3];
+    remote[2] = vec![8, 8];
     let err = peer.plan(&ok_local, &remote).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "remote block id 3 is listed twice in group 2: a request names each block once"
+        "remote block id 8 is listed twice in group 2: a request names each block once"
     );
+}
+
+#[test]
+fn one_block_id_in_two_groups_sharing_tensors_is_refused_naming_both_groups() {
+    // Before (#20 item 11): Kimi's MLA group and its KDA groups share every HMA tensor, so block 1 in groups 1,
+    // 2 and 3 was planned as three overlapping destination ranges (pull and push alike).
+    for case in cases().into_iter().take(2) {
+        let dest = if case.mode == TransferMode::Pull {
+            Side::Local
+        } else {
+            Side::Remote
+        };
+        let peer = PeerPlan::new(&case.local, &case.remotes, case.mode).unwrap();
+        let (local, remote) = (
+            vec![vec![1, 2], vec![3], vec![4], vec![5]],
+            vec![vec![3, 4, 5, 6], vec![7], vec![8], vec![9]],
+        );
+        assert!(peer.plan(&local, &remote).is_ok());
+        let mut l = local.clone();
+        (l[1], l[2], l[3]) = (vec![1], vec![1], vec![1]);
+        let mut r = remote.clone();
+        r[3] = vec![4]; // an SSM state in the attention group's block 4
+        let (bad_l, bad_r) = if dest == Side::Local {
+            (&l, &remote)
+        } else {
+            (&local, &r)
+        };
+        let err = peer.plan(bad_l, bad_r).unwrap_err();
+        let want = if dest == Side::Local {
+            PlanError::SharedBlock {
+                side: Side::Local,
+                id: 1,
+                groups: (0, 1),
+            }
+        } else {
+            PlanError::SharedBlock {
+                side: Side::Remote,
+                id: 4,
+                groups: (0, 3),
+            }
+        };
+        assert_eq!(err, want, "{}", case.name);
+        // The source side is refused too: a request naming one block in two groups is malformed either way.
+        let (src_l, src_r) = if dest == Side::Local {
+            (&local, &r)
+        } else {
+            (&l, &remote)
+        };
+        assert!(matches!(
+            peer.plan(src_l, src_r).unwrap_err(),
+            PlanError::SharedBlock { .. }
+        ));
+    }
+    let peer = {
+        let case = kimi();
+        PeerPlan::new(&case.local, &case.remotes, case.mode).unwrap()
+    };
+    let err = peer
+        .plan(
+            &[vec![1, 2], vec![3], vec![3], vec![5]],
+            &[vec![3, 4, 5, 6], vec![7], vec![8], vec![9]],
+        )
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "local block id 3 is listed in groups 1 and 2, which share KV-cache tensors: a request names each block once"
+    );
+}
+
+#[test]
+fn groups_on_disjoint_tensors_may_reuse_an_id() {
+    // Two MLA groups, each on its own tensors (no region shared): block 0 of each group is different memory,
+    // so one id in both moves disjoint bytes and is planned.
+    let two_groups = |mut l: RankLayout| {
+        l.layers[1].group = 1;
+        l
+    };
+    let local = RegionTable::build(&two_groups(deepseek_v3_like(2, 64))).unwrap();
+    let remote = two_groups(deepseek_v3_like(2, 64));
+    let mut remote_table = RegionTable::build(&remote).unwrap();
+    for r in &mut remote_table.regions {
+        r.base += 1 << 40;
+    }
+    let info = EngineInfo {
+        engine_id: "peer".into(),
+        agent_metadata: Vec::new(),
+        kv_layout: "HND".into(),
+        attn_backend: "test".into(),
+        transfer_mode: TransferMode::Pull,
+        compat_hash: String::new(),
+        prefix_caching: false,
+    };
+    let meta = AgentMeta::from_table(&remote_table, &info);
+    let peer = PeerPlan::new(&local, &[meta], TransferMode::Pull).unwrap();
+    let plan = peer.plan(&[vec![0, 1], vec![0, 1]], &[vec![5, 6], vec![5, 6]]).unwrap();
+    let mut dest: Vec<[u64; 2]> = (0..plan.transfers.len())
+        .flat_map(|i| plan.moves(&peer, i).unwrap())
+        .map(|[l, _, n]| [l, l + n])
+        .collect();
+    dest.sort_unstable();
+    assert_eq!(dest.len(), 2, "{dest:?}");
+    assert!(dest.windows(2).all(|w| w[0][1] <= w[1][0]), "{dest:?}");
+}
+
+/// Destination byte ranges `[start, end)` of a plan, per destination memory (pull: the local rank's; push: each
+/// remote rank's), sorted.
+fn destinations(peer: &PeerPlan, plan: &super::plan::Plan, mode: TransferMode) -> Vec<(u32, u64, u64)> {
+    let mut out: Vec<(u32, u64, u64)> = Vec::new();
+    for (i, t) in plan.transfers.iter().enumerate() {
+        for [l, r, n] in plan.moves(peer, i).unwrap() {
+            out.push(match mode {
+                TransferMode::Pull => (u32::MAX, l, l + n),
+                TransferMode::Push => (t.remote_rank, r, r + n),
+            });
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+mod shared_ids {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Requests whose ids are drawn from a tiny pool, so one id often lands in several groups: whatever is
+        /// planned never writes a destination byte twice, and an id shared by two groups sharing tensors is
+        /// refused as `SharedBlock` (every fixture case, pull and push, coalesced or not).
+        #[test]
+        fn no_plan_writes_a_destination_byte_twice(
+            case in 0usize..4,
+            coalesce in any::<bool>(),
+            local in prop::collection::vec(prop::collection::vec(0u64..6, 0..4), 4),
+            remote in prop::collection::vec(prop::collection::vec(0u64..6, 0..4), 4),
+        ) {
+            let case = cases().swap_remove(case);
+            let peer = PeerPlan::with_coalescing(&case.local, &case.remotes, case.mode, coalesce).unwrap();
+            let n = case.local.groups.len();
+            let (mut local, mut remote) = (local, remote);
+            local.truncate(n);
+            remote.truncate(n);
+            match peer.plan(&local, &remote) {
+                Ok(plan) => {
+                    let dest = destinations(&peer, &plan, case.mode);
+                    for w in dest.windows(2) {
+                        prop_assert!(w[0].0 != w[1].0 || w[0].2 <= w[1].1, "{}: {w:?} overlap", case.name);
+                    }
+                }
+                Err(PlanError::SharedBlock { side, id, groups: (g, h) }) => {
+                    let ids = if side == Side::Local { &local } else { &remote };
+                    prop_assert!(g < h && ids[g].contains(&id) && ids[h].contains(&id));
+                }
+                Err(_) => {}
+            }
+        }
+    }
 }

@@ -251,6 +251,38 @@ impl PyPeerPlan {
         Ok(bytes.map_err(Error::from)?)
     }
 
+    /// The local logical block ids, one array per group (ascending, unique), whose bytes local descriptors
+    /// `ids` of table `key` move: the blocks a failed transfer with these local ids leaves unknown.
+    ///
+    /// A region several groups share lists its blocks under each of them; a request names each block in
+    /// one group only, so intersect group by group with the request's ids.
+    ///
+    /// Args:
+    ///     key (str): the local table ("whole", "bsr:N", "split:I").
+    ///     ids (numpy.ndarray): int32 descriptor ids, as `RankTransfer.local_ids`.
+    /// Returns:
+    ///     list[numpy.ndarray]: uint64 logical block ids per group, in group order.
+    /// Raises:
+    ///     PlanError: no such table, or an id outside it (named with the table's size).
+    fn failed_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        key: &str,
+        ids: PyReadonlyArray1<'_, i32>,
+    ) -> PyResult<Vec<Bound<'py, PyArray1<u64>>>> {
+        let k = parse_key(key)?;
+        let ids = ids.as_array();
+        let blocks = match ids.as_slice() {
+            Some(s) => self.inner.failed_blocks(k, s),
+            None => self.inner.failed_blocks(k, &ids.iter().copied().collect::<Vec<i32>>()),
+        };
+        Ok(blocks
+            .map_err(Error::from)?
+            .into_iter()
+            .map(|g| g.into_pyarray(py))
+            .collect())
+    }
+
     /// Descriptors of remote rank `rank`'s table once expanded.
     ///
     /// Raises:

@@ -6,7 +6,8 @@
 use super::checks::{check_inside_advertised, check_remote_size, check_remotes};
 use super::emit::Slots;
 use super::error::{PlanError, Side};
-use super::ids::{IdSpace, ID_LIMIT};
+use super::failed::BlockMap;
+use super::ids::{shared_group_pairs, IdSpace, ID_LIMIT};
 use super::key::TableKey;
 use super::remote::remote_table;
 use super::routes::{attention_ranks, routes};
@@ -104,6 +105,7 @@ impl PeerPlan {
             remote: remote_space,
             routes,
             slots,
+            blocks: BlockMap::new(local, &region_groups),
         })
     }
 }
@@ -232,7 +234,15 @@ fn id_spaces(
         region_groups,
         groups,
     );
-    (local_space, remote_space)
+    // Both sides' region `r` take the same groups' ids (slots pair them), so they share the same pairs.
+    let shared = shared_group_pairs(groups, region_groups, &local.ssm_regions);
+    (
+        IdSpace {
+            shared: shared.clone(),
+            ..local_space
+        },
+        IdSpace { shared, ..remote_space },
+    )
 }
 
 /// The local tables by key: the base table first, then one split table per piece the routes use. Regions kept

@@ -163,6 +163,17 @@ pub enum PlanError {
         /// The repeated id.
         id: u64,
     },
+    /// A block id listed in two groups of one request whose groups share a region (HMA pools every group's
+    /// layer *i* into one tensor): the same page would be moved (or written) once per group.
+    #[error("{side} block id {id} is listed in groups {} and {}, which share KV-cache tensors: a request names each block once", groups.0, groups.1)]
+    SharedBlock {
+        /// Which side.
+        side: Side,
+        /// The id listed in both groups.
+        id: u64,
+        /// The two groups.
+        groups: (usize, usize),
+    },
     /// A remote descriptor row would address bytes outside every region the remote rank advertised.
     #[error("remote rank {rank}: descriptors at {addr:#x} (+{len} bytes, stride {stride}, {count} of them) fall outside the regions it advertised")]
     OutsideAdvertised {

@@ -21,6 +21,9 @@ pub(crate) struct IdSpace {
     pub(crate) logical_tokens: u64,
     /// Largest logical id + 1 of every group.
     pub(crate) group_cap: Vec<u64>,
+    /// Pairs of groups `(g, h)`, `g < h`, whose ids address a common region (see [`shared_group_pairs`]):
+    /// one id in both would move (or write) the same bytes twice.
+    pub(crate) shared: Vec<(usize, usize)>,
 }
 
 impl IdSpace {
@@ -57,6 +60,7 @@ impl IdSpace {
             units_per_logical: ppl * sub,
             logical_tokens,
             group_cap,
+            shared: Vec::new(),
         }
     }
 
@@ -82,8 +86,65 @@ impl IdSpace {
                 return Err(PlanError::DuplicateBlock { side, group: g, id });
             }
         }
+        for &(g, h) in &self.shared {
+            if let Some(id) = first_common(&ids[g], &ids[h]) {
+                return Err(PlanError::SharedBlock {
+                    side,
+                    id,
+                    groups: (g, h),
+                });
+            }
+        }
         Ok(())
     }
+}
+
+/// Pairs of groups `(g, h)`, `g < h`, whose ids address a common region, as the planner emits them: an
+/// attention group addresses the regions `region_groups` lists it in, an SSM group every SSM region. HMA
+/// pools layer *i* of every group into one tensor, so block `b` of two groups sharing it is the same page;
+/// groups on disjoint tensors may reuse ids (their bytes differ).
+pub(crate) fn shared_group_pairs(
+    groups: &[GroupKind],
+    region_groups: &[Vec<usize>],
+    ssm_regions: &[usize],
+) -> Vec<(usize, usize)> {
+    let ssm: Vec<usize> = (0..groups.len()).filter(|&g| groups[g] == GroupKind::Ssm).collect();
+    let mut pairs = Vec::new();
+    for (r, attn) in region_groups.iter().enumerate() {
+        let mut sharers: Vec<usize> = attn.clone();
+        if ssm_regions.contains(&r) {
+            sharers.extend(&ssm);
+        }
+        sharers.sort_unstable();
+        sharers.dedup();
+        for (i, &g) in sharers.iter().enumerate() {
+            pairs.extend(sharers[i + 1..].iter().map(|&h| (g, h)));
+        }
+    }
+    pairs.sort_unstable();
+    pairs.dedup();
+    pairs
+}
+
+/// The smallest id in both `a` and `b`, if any. Ascending lists (the common case) are checked by binary
+/// searches of the longer one, after an O(1) test of their id ranges; others on sorted copies.
+pub(crate) fn first_common(a: &[u64], b: &[u64]) -> Option<u64> {
+    if a.is_empty() || b.is_empty() {
+        return None;
+    }
+    let ascending = |l: &[u64]| l.windows(2).all(|w| w[0] < w[1]);
+    let (short, long) = if a.len() <= b.len() { (a, b) } else { (b, a) };
+    if ascending(short) && ascending(long) {
+        if short[short.len() - 1] < long[0] || long[long.len() - 1] < short[0] {
+            return None;
+        }
+        return short.iter().copied().find(|x| long.binary_search(x).is_ok());
+    }
+    let mut long = long.to_vec();
+    long.sort_unstable();
+    let mut short = short.to_vec();
+    short.sort_unstable();
+    short.into_iter().find(|x| long.binary_search(x).is_ok())
 }
 
 /// The smallest id listed more than once, if any. Strictly ascending lists (the common case) take one pass;

@@ -26,6 +26,7 @@ pub mod bytes;
 mod checks;
 mod emit;
 pub mod error;
+mod failed;
 mod ids;
 mod key;
 pub mod remote;
@@ -38,6 +39,8 @@ pub mod trim;
 #[cfg(test)]
 mod coalesce_tests;
 #[cfg(test)]
+mod failed_tests;
+#[cfg(test)]
 mod tests;
 
 pub use self::checks::{REMOTE_UNITS_FACTOR, REMOTE_UNITS_FLOOR};
@@ -45,6 +48,7 @@ pub use self::error::{PlanError, Side};
 pub use self::key::TableKey;
 
 use self::emit::{Slots, Windows};
+use self::failed::BlockMap;
 use self::ids::IdSpace;
 use self::routes::{attention_ranks, Route};
 use self::trim::{trim, GroupTrim};
@@ -96,6 +100,7 @@ pub struct PeerPlan {
     remote: IdSpace,
     routes: Vec<Route>,
     slots: Slots,
+    blocks: BlockMap,
 }
 
 impl PeerPlan {

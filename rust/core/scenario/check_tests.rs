@@ -148,7 +148,7 @@ fn heads_major_pages_with_different_kernel_blocks_are_refused_at_the_handshake()
 
 #[test]
 fn a_request_that_cannot_be_planned_names_both_lengths() {
-    let s = F2.replace("\"decode\": [[1], [2], [3]]", "\"decode\": [[1], [0, 2, 3], [3]]");
+    let s = F2.replace("\"decode\": [[1], [2], [3]]", "\"decode\": [[1], [0, 2, 3], []]");
     let r = check(&s);
     assert_eq!(findings(&r), vec![one("plan_request", "3 states", "1 states")]);
     assert!(r.pairs[0].findings[0]

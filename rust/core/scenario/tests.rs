@@ -81,7 +81,7 @@ fn unknown_fields_and_bad_values_are_reported() {
         .to_string();
     assert!(err.contains("must all divide by prefill TP 3"), "{err}");
     // Unpairable SSM slots name both list lengths.
-    let unp = F2.replace("\"decode\": [[1], [2], [3]]", "\"decode\": [[1], [0, 2, 3], [3]]");
+    let unp = F2.replace("\"decode\": [[1], [2], [3]]", "\"decode\": [[1], [0, 2, 3], []]");
     let err = Deployment::build(&Scenario::from_json(&unp).unwrap())
         .unwrap()
         .plan_all()
