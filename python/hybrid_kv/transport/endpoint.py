@@ -35,6 +35,7 @@ from ..hugepages import HugePageReport
 from . import netif
 from .agent import CALL_ERRORS, Agent, log
 from .auth import resolve_secret
+from .channel_process import SideChannelProcess
 from .errors import HandshakeError, TransferError
 from .inbox import Inbox
 from .inflight import InFlight
@@ -59,7 +60,8 @@ class Endpoint:
             connected without ``local_scope`` post from; may be empty).
         mem_type: NIXL memory type of the registration and tables (``"DRAM"``, ``"VRAM"``...).
         metadata_provider: ``rank -> payload bytes`` served to peers during their handshake
-            (called from the side-channel thread; must be thread-safe). ``None`` serves ``b""``.
+            (called from the side-channel thread; must be thread-safe), or ``{rank: payload}`` (the only form
+            ``side_channel="process"`` takes: its replies are fixed at start). ``None`` serves ``b""``.
         listen: the address of this endpoint, ``tcp://IPV4:PORT`` (port 0 = any free port): the side
             channel binds it and UCX is restricted to the network interface owning that IPv4 address
             (``UCX_NET_DEVICES``, set while the backend is created; see ``netif``; ``tcp://*:PORT``
@@ -73,6 +75,10 @@ class Endpoint:
         backend: NIXL backend plugin.
         ucx_error_handling_mode: ``"peer"`` (default) turns a dead peer into an error instead of a
             hang, at the cost of excluding shared-memory transports that cannot report it.
+        side_channel: ``"thread"`` (default) serves the side channel from a thread of this process;
+            ``"process"`` from a child process (``channel_process``: its own GIL and every core of the cpuset),
+            so a process whose main thread spins with the GIL (a vLLM worker) still answers handshakes in time;
+            control messages come back through a local pipe that ``poll()`` drains.
         huge_pages: ``DRAM`` registrations and transparent huge pages (``hybrid_kv.hugepages``: CMA moves
             huge pages about twice as fast as 4 KiB pages). ``"advise"`` (default) asks for huge pages on
             later faults (free); ``"collapse"`` also moves pages already faulted in onto huge pages now (about
@@ -96,17 +102,22 @@ class Endpoint:
         local_tables: Mapping[str, npt.ArrayLike],
         *,
         mem_type: str = "DRAM",
-        metadata_provider: Callable[[int], bytes] | None = None,
+        metadata_provider: Callable[[int], bytes] | Mapping[int, bytes] | None = None,
         listen: str | None = "tcp://127.0.0.1:0",
         secret: bytes | str | None = None,
         insecure: bool = False,
         backend: str = "UCX",
         ucx_error_handling_mode: str = "peer",
         huge_pages: str = "advise",
+        side_channel: str = "thread",
     ) -> None:
         who = f"endpoint {name!r}"
         if huge_pages not in ("off", "advise", "collapse"):
             raise ValueError(f"{who}: huge_pages must be 'off', 'advise' or 'collapse', got {huge_pages!r}")
+        if side_channel not in ("thread", "process"):
+            raise ValueError(f"{who}: side_channel must be 'thread' or 'process', got {side_channel!r}")
+        if side_channel == "process" and not isinstance(metadata_provider, Mapping | None):
+            raise ValueError(f"{who}: side_channel='process' serves fixed replies: pass metadata_provider as a dict")
         self._key = resolve_secret(secret, insecure=insecure, required=listen is not None, what=who)
         net_device = netif.interface_of(netif.listen_host(listen))
         self.name = name
@@ -114,7 +125,7 @@ class Endpoint:
         self._provider = metadata_provider
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._stop = threading.Event()
-        self._server: SideChannelServer | None = None
+        self._server: SideChannelServer | SideChannelProcess | None = None
         self._controls: collections.deque[ControlMessage] = collections.deque()
         self._controls_overflowed = False  # the current overflow was logged
         self._closed = False
@@ -134,7 +145,12 @@ class Endpoint:
         self._inbox = Inbox(self._agent, self._requests)
         try:
             self._agent.open(registration, local_tables, backend, ucx_error_handling_mode, net_device, huge_pages)
-            if listen is not None:
+            if listen is not None and side_channel == "process":
+                payloads = dict(metadata_provider) if isinstance(metadata_provider, Mapping) else {}
+                self._server = SideChannelProcess(
+                    listen, payloads, self._agent.metadata, name=name, key=self._key, max_queued=MAX_QUEUED_CONTROLS
+                )
+            elif listen is not None:
                 self._server = SideChannelServer(listen, self._serve_meta, self._on_control, name=name, key=self._key)
         except BaseException:
             self.close()
@@ -389,9 +405,7 @@ class Endpoint:
         """
         self._check_open()
         try:
-            acked_by = send_control(
-                self._ctx, address, payload, self.name, timeout_s, key=self._key, to=expected_name
-            )
+            acked_by = send_control(self._ctx, address, payload, self.name, timeout_s, key=self._key, to=expected_name)
         except ChannelError as exc:
             raise TransferError(f"control message to {address} failed: {exc}") from exc
         if expected_name is not None and acked_by != expected_name:
@@ -448,6 +462,9 @@ class Endpoint:
     # ------------------------------------------------------------------ internals
 
     def _progress(self) -> None:
+        if isinstance(self._server, SideChannelProcess):
+            for sender, payload in self._server.take_controls(MAX_QUEUED_CONTROLS):
+                self._requests.events.control.append(ControlMessage(sender, payload))
         while self._controls:
             self._requests.events.control.append(self._controls.popleft())
         self._controls_overflowed = False
@@ -468,7 +485,12 @@ class Endpoint:
         self._inbox.forget(agent_name)
 
     def _serve_meta(self, rank: int) -> tuple[bytes, bytes]:
-        payload = self._provider(rank) if self._provider is not None else b""
+        provider = self._provider
+        if isinstance(provider, Mapping):
+            if rank not in provider:
+                raise ValueError(f"this side channel serves TP rank(s) {sorted(provider)}, not {rank}")
+            return provider[rank], self._agent.metadata
+        payload = provider(rank) if provider is not None else b""
         return payload, self._agent.metadata
 
     def _on_control(self, sender: str, payload: bytes) -> None:

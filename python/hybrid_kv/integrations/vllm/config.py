@@ -38,6 +38,12 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
         "`0.0.0.0`, which is never advertised)",
     ),
     "handshake_timeout_s": ("HYBRID_KV_HANDSHAKE_TIMEOUT_S", 10.0, "deadline of one handshake with a peer rank"),
+    "side_channel_process": (
+        "HYBRID_KV_SIDE_CHANNEL_PROCESS",
+        True,
+        "serve each worker's side channel from a child process (its own GIL), so handshakes are answered while "
+        "the worker's main thread spins; `false` serves it from a thread of the worker",
+    ),
     "max_concurrent_handshakes": (
         "HYBRID_KV_MAX_CONCURRENT_HANDSHAKES",
         8,
@@ -106,6 +112,7 @@ class ConnectorConfig:
     side_channel_port: int
     advertise_host: str
     handshake_timeout_s: float
+    side_channel_process: bool
     max_concurrent_handshakes: int
     transfer_timeout_s: float
     lease_s: float

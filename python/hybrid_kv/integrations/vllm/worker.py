@@ -138,9 +138,11 @@ class WorkerHalf:
             self.table.registration(),
             {"whole": self.table.local_rows()},
             mem_type=self.geometry.mem_type,
-            metadata_provider=self._serve_payload,
+            metadata_provider={self.tp_rank: self.payload},
             listen=f"tcp://{self.cfg.side_channel_host}:{self.port}",
             insecure=self.cfg.insecure,
+            # a child process answers handshakes even while this worker's main thread spins with the GIL
+            side_channel="process" if self.cfg.side_channel_process else "thread",
         )
         log.info(
             "hybrid-kv worker %s: %d regions, %d blocks of %d tokens (%d-token kernel blocks), side channel %s",
@@ -152,11 +154,6 @@ class WorkerHalf:
             self.server.address,
         )
         log.debug("hybrid-kv worker %s: registered in %.1f ms", self.name, (time.perf_counter() - t0) * 1e3)
-
-    def _serve_payload(self, rank: int) -> bytes:
-        if rank != self.tp_rank:
-            raise ValueError(f"this side channel serves TP rank {self.tp_rank}, not {rank}")
-        return self.payload
 
     # ------------------------------------------------------------------ handshake
 
