@@ -17,9 +17,11 @@ every candidate, and measures from a client process how long ``fetch_reply`` tak
 - ``process-nice``: the same at nice -10.
 
 Candidates run in rotation (``--rounds``), each for ``--seconds`` per round, under the same load, so their
-numbers compare side by side. Usage::
+numbers compare side by side. ``--hold S`` makes the main thread keep the GIL for S seconds at a time (native
+code that does not release it, as a spin extension or a long C call does) instead of yielding. Usage::
 
-    python benches/side_channel_starvation.py --seconds 10 --rounds 2 --busy 4
+    python benches/side_channel_starvation.py --seconds 8 --rounds 2 --busy 4
+    python benches/side_channel_starvation.py --seconds 8 --rounds 1 --busy 4 --hold 0.5
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import argparse
 import ctypes
 import multiprocessing as mp
 import os
+import re
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 SECRET = "side-channel-starvation-bench-secret-0123456789"
+_CATASTROPHIC = re.compile(r"(a+)+$")  # backtracks exponentially; sre keeps the GIL throughout
 CANDIDATES = ("thread", "thread-reserved", "thread-nice", "process", "process-nice")
 
 _SPINNER_C = r"""
@@ -47,21 +50,6 @@ int start_spinner(int cpu) {
     if (cpu >= 0) { cpu_set_t s; CPU_ZERO(&s); CPU_SET(cpu, &s); pthread_attr_setaffinity_np(&at, sizeof s, &s); }
     return pthread_create(&t, &at, spin, 0);
 }
-"""
-
-_CHILD = r"""
-import os, sys
-from hybrid_kv.transport.auth import resolve_secret
-from hybrid_kv.transport.side_channel import SideChannelServer
-nice = int(sys.argv[1])
-os.sched_setaffinity(0, range(os.cpu_count()))
-if nice:
-    os.setpriority(os.PRIO_PROCESS, 0, nice)
-payload, md = os.urandom(600), os.urandom(3000)
-key = resolve_secret(os.environ["BENCH_SECRET"], insecure=False, required=True, what="bench")
-srv = SideChannelServer("tcp://127.0.0.1:0", lambda rank: (payload, md), lambda s, p: None, name="W", key=key)
-print(srv.address, flush=True)
-sys.stdin.read()
 """
 
 
@@ -79,9 +67,10 @@ def _busy() -> None:
         pass
 
 
-def _worker(candidate: str, out: Any) -> None:
+def _worker(candidate: str, hold_s: float, out: Any) -> None:
     """The spinning vLLM-like worker, serving its side channel as ``candidate`` says."""
     from hybrid_kv.transport.auth import resolve_secret
+    from hybrid_kv.transport.channel_process import SideChannelProcess
     from hybrid_kv.transport.side_channel import SideChannelServer
 
     cores = sorted(os.sched_getaffinity(0))
@@ -92,17 +81,15 @@ def _worker(candidate: str, out: Any) -> None:
     for cpu in omp_cores[1:]:
         lib.start_spinner(cpu)  # the other OpenMP threads, one per core (thread 0 is the spinning main thread)
     child = None
-    if candidate.startswith("process"):
-        env = dict(os.environ, BENCH_SECRET=SECRET)
-        nice = "-10" if candidate == "process-nice" else "0"
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, nice], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
-        )
-        assert child.stdout is not None
-        address = child.stdout.readline().strip()
+    payload, md = os.urandom(600), os.urandom(3000)
+    key = resolve_secret(SECRET, insecure=False, required=True, what="bench")
+    if candidate.startswith("process"):  # what Endpoint(side_channel="process") runs
+        child = SideChannelProcess("tcp://127.0.0.1:0", {0: payload}, md, name="W", key=key, max_queued=1024)
+        address = child.address
+        if candidate == "process-nice":
+            for tid in os.listdir(f"/proc/{child.pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), -10)
     else:
-        payload, md = os.urandom(600), os.urandom(3000)
-        key = resolve_secret(SECRET, insecure=False, required=True, what="bench")
         srv = SideChannelServer("tcp://127.0.0.1:0", lambda rank: (payload, md), lambda s, p: None, name="W", key=key)
         address = srv.address
         tid = srv._thread.native_id
@@ -112,13 +99,23 @@ def _worker(candidate: str, out: Any) -> None:
         if candidate == "thread-nice":
             os.setpriority(os.PRIO_PROCESS, tid, -10)
     out.put(address)
+    if hold_s > 0:  # native code that keeps the GIL for about hold_s at a time (a spin extension, a long C call)
+        n = 16
+        while True:
+            t0 = time.perf_counter()
+            _CATASTROPHIC.match("a" * n + "b")
+            if time.perf_counter() - t0 >= hold_s:
+                break
+            n += 1
+        while True:
+            _CATASTROPHIC.match("a" * n + "b")
     flag = [0]
     while True:  # shm_broadcast's idle loop: look at the flag, yield, again (the GIL is retaken each time)
         if flag[0]:
             break
         os.sched_yield()
     if child is not None:
-        child.kill()
+        child.close()
 
 
 def _measure(address: str, seconds: float, timeout_s: float) -> list[float]:
@@ -155,6 +152,12 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=2 * len(os.sched_getaffinity(0)), help="background busy processes")
     ap.add_argument("--timeout", type=float, default=10.0, help="one fetch's deadline (a miss counts as inf)")
     ap.add_argument("--candidates", default=",".join(CANDIDATES))
+    ap.add_argument(
+        "--hold",
+        type=float,
+        default=0.0,
+        help="the worker's main thread holds the GIL this long at a time (native code) instead of yielding",
+    )
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     busy = [ctx.Process(target=_busy, daemon=True) for _ in range(args.busy)]
@@ -165,7 +168,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for cand in results:
                 q = ctx.Queue()
-                w = ctx.Process(target=_worker, args=(cand, q), daemon=True)
+                w = ctx.Process(target=_worker, args=(cand, args.hold, q), daemon=True)
                 w.start()
                 try:
                     address = q.get(timeout=120)
@@ -178,8 +181,9 @@ def main() -> None:
         for p in busy:
             p.kill()
             p.join(5)
+    spin = f"main thread holding the GIL {args.hold:g} s at a time" if args.hold else "main thread spinning"
     print(
-        f"side-channel fetch latency, {args.busy} busy processes, {len(os.sched_getaffinity(0))} cores, "
+        f"side-channel fetch latency, {spin}, {args.busy} busy processes, {len(os.sched_getaffinity(0))} cores, "
         f"{args.rounds} x {args.seconds:g} s per candidate (ms; inf = no reply within {args.timeout:g} s)"
     )
     print(f"| {'candidate':<16} | {'n':>4} | {'p50':>8} | {'p90':>8} | {'p99':>8} | {'max':>8} | {'misses':>6} |")
