@@ -1,0 +1,147 @@
+"""A first request to a new prefill engine whose handshake outlasts the prefill's lease (#19 item 4): the decode
+renews the lease while it connects (``control.Renew``, carrying the ticket's grant, bounded by the ticket's
+``max_expires_at``), so the request lands byte-exact instead of failing on the expired lease.
+
+vLLM 0.33's real Scheduler and workers, GQA, TP 1, pull, every engine with a 4 s lease. The decode reaches each
+prefill's side channel through a TCP relay in this process that holds the first connection (the handshake's
+metadata fetch) for 8 s, within the 10 s handshake timeout, and passes every later one (the renewals) at once:
+a slow first handshake, as on a loaded machine. The ticket names the relay (re-issued with the deployment's key,
+as the prefill engine would if it advertised that address). The control: a second prefill engine whose tickets
+allow no extension (``lease_max_extension_s`` 0), in the same decode steps: its request fails on the expired
+lease, as every first request did before.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from tickets_helper import reissue
+from vllm_harness import CONTENT_TOKENS, Engine, EngineSpec, prompt, run_until, side_channel_ports
+
+os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+HOLD_S = 8.0
+LEASE_S = 4.0
+
+
+class SlowFirstRelay:
+    """Relays TCP connections from a free local port to ``target``; the first one is held ``hold_s`` first."""
+
+    def __init__(self, target: tuple[str, int], hold_s: float) -> None:
+        self.target, self.hold_s = target, hold_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            hold = self.hold_s if self.accepted == 1 else 0.0
+            threading.Thread(target=self._relay, args=(client, hold), daemon=True).start()
+
+    def _relay(self, client: socket.socket, hold: float) -> None:
+        time.sleep(hold)
+        try:
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            client.close()
+            return
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+def _series(engine: Engine, key: str) -> int:
+    return sum(int(s.get(key, 0)) for s in engine.stats)
+
+
+def _moved(d: Engine, rid: str) -> Any:
+    from hybrid_kv.integrations.vllm.layout import transfer_group_kinds
+
+    (r,) = [meta.recv[rid] for meta in d.metas if rid in meta.recv]
+    moved = None
+    for g, kind in enumerate(transfer_group_kinds(d.kv_cfg)):
+        if kind != "ssm":
+            moved = min(len(r.remote_block_ids[g]), len(r.local_block_ids[g])) * d.spec.logical_block_size
+    return (r.local_block_ids, 0, CONTENT_TOKENS, moved)
+
+
+def test_lease_renewed_while_the_first_handshake_runs(model_dirs: dict[str, str]) -> None:
+    from vllm.v1.engine import FinishReason
+
+    a_port, b_port, d_port = side_channel_ports(3)
+    lease = (("lease_s", LEASE_S),)
+    gqa = model_dirs["gqa"]
+    a = Engine.start(EngineSpec("prefill-a", "gqa", gqa, 1, "pull", a_port, extra=lease))
+    b = Engine.start(
+        EngineSpec("prefill-b", "gqa", gqa, 1, "pull", b_port, extra=(*lease, ("lease_max_extension_s", 0.0)))
+    )
+    d = Engine.start(EngineSpec("decode", "gqa", gqa, 1, "pull", d_port, extra=lease))
+    relays = [SlowFirstRelay(("127.0.0.1", port), HOLD_S) for port in (a_port, b_port)]
+    finish: dict[str, Any] = {}
+    orig = d.scheduler.update_from_output
+
+    def spy(so: Any, mro: Any) -> Any:
+        res = orig(so, mro)
+        finish.update({o.request_id: o.finish_reason for eco in res.values() for o in eco.outputs if o.finish_reason})
+        return res
+
+    d.scheduler.update_from_output = spy
+    try:
+        tickets = {}
+        for p, relay in zip((a, b), relays, strict=True):
+            p.add("p-0", prompt(0, 300), {"do_remote_decode": True}, 0)
+            p.fills["p-0"] = (0, CONTENT_TOKENS)
+            run_until([p], lambda p=p: "p-0" in p.outputs)
+            tickets[p.spec.engine_id] = reissue(dict(p.outputs["p-0"]), port=relay.port)
+        t0 = time.monotonic()
+        d.add("d-a", prompt(0, 300), tickets["prefill-a"], 0)
+        d.add("d-b", prompt(0, 300), tickets["prefill-b"], 0)
+        run_until([a, b, d], lambda: {"d-a", "d-b"} <= set(finish) and a.idle() and b.idle(), timeout_s=90)
+        assert time.monotonic() - t0 > HOLD_S > LEASE_S  # the handshakes really outlasted the original lease
+        assert finish["d-a"] != FinishReason.ERROR
+        assert finish["d-b"] == FinishReason.ERROR  # the control: no extension allowed, the lease ran out
+        assert _series(d, "num_lease_renewals") >= 2  # d-a's, more than once (a heartbeat); none for d-b
+        assert _series(a, "num_expired_leases") == 0 and _series(b, "num_expired_leases") == 1
+        assert _series(d, "num_failed_transfers") == 1
+        for problem, nbytes in d.workers.call("verify", [_moved(d, "d-a")]):  # d-a landed; nothing else changed
+            assert problem is None, problem
+            assert nbytes > 0
+        for p in (a, b):
+            assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == p.kv_cfg.num_blocks - 1
+    finally:
+        for relay in relays:
+            relay.close()
+        for e in (a, b, d):
+            e.close()
