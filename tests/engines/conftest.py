@@ -9,6 +9,7 @@ failure), and a failing test's report carries the tails of every running engine'
 from __future__ import annotations
 
 import importlib.metadata
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for kind, rows in RESULTS.items():
         for row in rows:
             terminalreporter.write_line(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # a CI job killed with SIGTERM unwinds like ^C, so fixtures and pytest_unconfigure stop the engines
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for e in list(RUNNING):  # whatever a fixture could not stop (interrupted run)
+        e.stop()
+        RUNNING.remove(e)
 
 
 @pytest.hookimpl(hookwrapper=True)

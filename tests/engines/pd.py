@@ -24,7 +24,7 @@ from typing import Any
 
 from engine import HKV_CONNECTOR, NIXL_CONNECTOR, Engine, EngineError, free_port_range, logprobs, tokens
 
-START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "600"))
+START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "1500"))
 
 CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # name -> (kv_transfer_config, kv_connector_extra_config)
