@@ -4,7 +4,8 @@ A link is built in two steps because they run on different threads:
 
 - ``prepare_link`` (any thread; network and Rust only): fetch every target rank's side-channel reply once,
   then validate and plan from exactly those payload bytes (``PeerPlan(own_payload=...)``, each payload decoded
-  once in Rust). Each fetch that times out is tried again while the link's deadline allows.
+  once in Rust). Each fetch that times out is tried again (up to ``MAX_ATTEMPTS``) while the link's deadline
+  allows.
 - ``attach_link`` (the endpoint's thread; NIXL): prep the plan's local tables as the link's own scope of the
   shared endpoint (the KV cache stays registered once, by the endpoint), then connect every target rank from
   the reply already fetched (no second fetch, so validation, plan and the loaded agent see the same bytes).
@@ -42,6 +43,9 @@ U64 = npt.NDArray[np.uint64]
 RETRY_PAUSE_S = 0.2
 """Pause between two fetch attempts of one rank's reply."""
 
+MAX_ATTEMPTS = 3
+"""Fetch attempts per rank at most (a host that never answers fails after these, not only at the deadline)."""
+
 MIN_ATTEMPT_S = 0.5
 """A fetch that timed out is tried again only if the deadline leaves at least this long for the new attempt."""
 
@@ -56,8 +60,9 @@ def fetch_replies(
 ) -> dict[int, MetaReply]:
     """Each rank's side-channel reply, fetched once (authenticated; see ``side_channel.fetch_reply``).
 
-    A fetch gets ``timeout_s`` per attempt; one that gets no reply in time is tried again while
-    ``deadline`` (``time.monotonic()``; ``None``: one attempt) leaves room for another pause and attempt.
+    A fetch gets ``timeout_s`` per attempt; one that gets no reply in time is tried again (up to
+    ``MAX_ATTEMPTS`` attempts) while ``deadline`` (``time.monotonic()``; ``None``: one attempt) leaves room for
+    another pause and attempt.
     Any other failure (authentication, the peer's error, a protocol mismatch) is not retried.
 
     Raises:
@@ -81,7 +86,7 @@ def fetch_replies(
                 except ChannelError as exc:
                     timed_out = time.monotonic() - t0 >= 0.95 * per_try  # no reply in time (not a refusal)
                     left = 0.0 if deadline is None else deadline - time.monotonic()
-                    if not timed_out or left < RETRY_PAUSE_S + MIN_ATTEMPT_S:
+                    if not timed_out or attempt >= MAX_ATTEMPTS or left < RETRY_PAUSE_S + MIN_ATTEMPT_S:
                         raise HandshakeError(
                             f"{sender}: fetching rank {rank}'s metadata from {address} failed "
                             f"(attempt {attempt}): {exc}"

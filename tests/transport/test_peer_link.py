@@ -204,6 +204,10 @@ def test_a_silent_peer_is_retried_within_the_deadline() -> None:
             peer.signal(signal.SIGSTOP)
             with pytest.raises(HandshakeError, match="attempt 1"):  # a deadline with no room for a second attempt
                 fetch_replies({0: peer.address}, "D", 0.6, deadline=time.monotonic() + 0.9)
+            t0 = time.monotonic()
+            with pytest.raises(HandshakeError, match="attempt 3"):  # never answering: given up after 3 attempts
+                fetch_replies({0: peer.address}, "D", 0.3, deadline=time.monotonic() + 60.0)
+            assert time.monotonic() - t0 < 10.0
         finally:
             resume.cancel()
             peer.signal(signal.SIGCONT)
