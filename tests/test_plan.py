@@ -80,7 +80,7 @@ def test_block_ids_may_be_tuples_or_numpy_arrays(peer: PeerPlan) -> None:
 
 def test_list_items_of_any_int_kind_read_alike(peer: PeerPlan) -> None:
     # Exact ints take the binding's direct path, anything else the generic one from that item on.
-    rest = [[2], [3]]
+    rest = [[3], []]  # F2's groups share tensors: no id in two groups (#20 item 11)
     ref = peer.plan([[0, 1, 2], *rest], [[0, 1, 2], *rest]).transfers[0]
     for mixed in ([0, np.int64(1), 2], [np.int32(0), 1, 2], [0, 1, np.uint8(2)]):
         alt = peer.plan([mixed, *rest], [[0, 1, 2], *rest]).transfers[0]
@@ -153,7 +153,9 @@ def test_plan_errors_name_the_value_and_the_limit(peer: PeerPlan) -> None:
     with pytest.raises(
         PlanError, match="unpairable SSM state slots in group 1: decode lists 3 states, prefill lists 1"
     ):
-        peer.plan([[1], [0, 1, 2], [3]], [[1], [2], [3]])
+        peer.plan([[1], [0, 2, 3], []], [[1], [2], [3]])
+    with pytest.raises(PlanError, match="local block id 1 is listed in groups 0 and 1, which share KV-cache tensors"):
+        peer.plan([[1], [1], [3]], [[1], [2], [3]])
     with pytest.raises(PlanError, match="2 groups, but the model has 3"):
         peer.plan([[1], [2]], [[1], [2], [3]])
     assert issubclass(PlanError, HybridKvError)

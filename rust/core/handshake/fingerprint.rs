@@ -15,8 +15,10 @@ use crate::core::meta::{AgentMeta, TransferMode, META_VERSION};
 use crate::core::region::GroupKind;
 
 /// The model facts hashed into the compatibility hash. TP size, block sizes and layout are
-/// deliberately absent: they are validated field by field.
+/// deliberately absent: they are validated field by field. An unknown field is refused, not ignored: a factor
+/// a caller means to hash must never be dropped silently.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelFactors {
     /// Model name or path.
     pub model: String,
@@ -38,6 +40,11 @@ pub struct ModelFactors {
     pub speculative: Vec<String>,
     /// Transfer mode.
     pub transfer_mode: TransferMode,
+    /// Wire version of what an integration's halves exchange beyond the handshake payload (e.g. the vLLM
+    /// connector's tickets and control messages, `hybrid-kv-vllm/1`); empty outside one, and then not
+    /// serialized, so hashes without a connector are unchanged.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub connector: String,
 }
 
 fn hex_digest(domain: &str, body: &[u8]) -> String {

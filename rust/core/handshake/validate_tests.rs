@@ -430,3 +430,31 @@ fn compat_hash_covers_the_wire_format_version_not_the_package_version() {
     assert_eq!(compat_hash(&f), compat_hash_for(META_VERSION, &f));
     assert_ne!(compat_hash(&f), compat_hash_for(META_VERSION + 1, &f));
 }
+
+#[test]
+fn compat_hash_covers_the_connector_wire_version_and_refuses_unknown_factors() {
+    use crate::core::handshake::{compat_hash, ModelFactors};
+    let f = ModelFactors::default();
+    let with = |connector: &str| ModelFactors {
+        connector: connector.into(),
+        ..f.clone()
+    };
+    // No connector: the pinned hash of the plain factors (above) is unchanged.
+    assert_eq!(compat_hash(&with("")), compat_hash(&f));
+    assert_ne!(compat_hash(&with("hybrid-kv-vllm/1")), compat_hash(&f));
+    assert_ne!(
+        compat_hash(&with("hybrid-kv-vllm/1")),
+        compat_hash(&with("hybrid-kv-vllm/2"))
+    );
+    let json = serde_json::to_value(&f).unwrap();
+    let mut extra = json.clone();
+    extra["vllm_version"] = "0.33.0".into();
+    let err = serde_json::from_value::<ModelFactors>(extra).unwrap_err().to_string();
+    assert!(err.contains("unknown field `vllm_version`"), "{err}");
+    let mut connector = json;
+    connector["connector"] = "hybrid-kv-vllm/1".into();
+    assert_eq!(
+        serde_json::from_value::<ModelFactors>(connector).unwrap(),
+        with("hybrid-kv-vllm/1")
+    );
+}
