@@ -301,6 +301,7 @@ class WorkerHalf:
         self._poll_handshakes()
         for req in meta.recv.values():
             if req.refused is not None:  # its kv_transfer_params were refused: it fails alone, as a failed load
+                self.stats.count("num_refused_tickets")
                 self._job_failed(req, f"kv_transfer_params refused: {req.refused}")
             elif self.cfg.mode == "pull":
                 link = self._link(req.remote_engine_id, req.remote_host, req.remote_port, req.remote_tp_size, req)
