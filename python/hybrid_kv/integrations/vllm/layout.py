@@ -4,7 +4,7 @@
 SlidingWindowMLA, Mamba1/Mamba2/GDN/KDA state); anything else is refused by name. ``rank_table`` turns the
 ``kv_caches`` dict vLLM hands to ``register_kv_caches`` (the views ``allocate_kv_cache`` made from a
 ``KVCacheConfig``) into a ``RegionTable``; ``compat_factors`` derives the handshake's compatibility hash
-factors from a ``VllmConfig``.
+factors from a ``VllmConfig``; ``engine_facts`` reads the KV layout and attention backends vLLM applied.
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ from ...layout import build_region_table, layer, rank_layout
 from ...torch_adapter import tensor_memory
 
 __all__ = [
+    "CONNECTOR_WIRE_VERSION",
     "CONV_LAYOUT_ENV",
     "RankGeometry",
+    "UNKNOWN_BACKEND",
+    "attention_backends",
     "check_conv_layout",
     "compat_factors",
+    "engine_facts",
     "layer_spec",
     "logical_block_tokens",
     "prefer_ds_conv_layout",
@@ -276,10 +280,45 @@ def rank_table(
     return table, geo
 
 
-def compat_factors(vllm_config: Any, mode: str) -> dict[str, Any]:
+CONNECTOR_WIRE_VERSION = 1
+"""Version of what this connector's halves exchange beyond the handshake payload (``kv_transfer_params`` tickets,
+control messages, side-channel requests): hashed into ``compat_hash`` (the ``connector`` factor), so engines
+speaking different versions refuse each other at the handshake. Bump it with any change to them."""
+
+
+UNKNOWN_BACKEND = "unknown"
+"""``attn_backend`` where vLLM knows none: no registered layer in its forward context and no platform to pick a
+default (vLLM's CUDA wheel driven without a model, as ``tests/integrations`` does)."""
+
+
+def attention_backends(vllm_config: Any, layer_names: list[str] | None = None) -> str:
+    """The attention backends of ``layer_names`` (every attention layer when None), as vLLM's NixlConnector
+    reads them (``get_current_attn_backends``): their names, sorted and comma-joined; ``UNKNOWN_BACKEND`` when
+    vLLM cannot name one."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    try:
+        backends = get_current_attn_backends(vllm_config, layer_names)
+    except ValueError as exc:  # no layers registered and no platform default (vLLM: "Invalid attention backend")
+        log.warning("hybrid-kv: vLLM names no attention backend for the registered layers: %s", exc)
+        return UNKNOWN_BACKEND
+    return ",".join(sorted({b.get_name() for b in backends}))
+
+
+def engine_facts(vllm_config: Any, layer_names: list[str]) -> tuple[str, str]:
+    """``(kv_layout, attn_backend)`` of this engine for the handshake: the KV-cache layout vLLM resolved and
+    allocated the caches with (``cache_config.get_resolved_kv_cache_layout()``, e.g. ``LBHNC``), and the attention
+    backends of the registered layers (``attention_backends``)."""
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    return str(layout), attention_backends(vllm_config, layer_names)
+
+
+def compat_factors(vllm_config: Any, mode: str, attn_backend: str | None = None) -> dict[str, Any]:
     """The model factors both engines must share (hashed into the handshake's ``compat_hash``).
 
-    TP size, block sizes and layouts are not hashed: the handshake validates them.
+    ``attn_backend``: the registered layers' backends (``engine_facts``; every attention layer's when None),
+    hashed with vLLM's version. The connector's wire version is the ``connector`` factor. TP size, block sizes
+    and layouts are not hashed: the handshake validates them.
     """
     from vllm import __version__ as vllm_version
 
@@ -294,8 +333,9 @@ def compat_factors(vllm_config: Any, mode: str) -> dict[str, Any]:
         "total_num_kv_heads": int(mc.get_total_num_kv_heads()),
         "head_size": int(mc.get_head_size()),
         "num_hidden_layers": int(mc.get_total_num_hidden_layers()),
-        "attn_backend": f"vllm-{vllm_version}",
+        "attn_backend": f"{attn_backend or attention_backends(vllm_config)}@vllm-{vllm_version}",
         "hma": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "speculative": speculative,
         "transfer_mode": mode,
+        "connector": f"hybrid-kv-vllm/{CONNECTOR_WIRE_VERSION}",
     }

@@ -36,7 +36,7 @@ from ...peer_link import PeerLink, PreparedLink, attach_link, prepare_link, targ
 from ...transport import Endpoint, RequestHandle, Transfer, TransferError
 from . import control
 from .config import ConnectorConfig
-from .layout import RankGeometry, compat_factors, rank_table
+from .layout import RankGeometry, compat_factors, engine_facts, rank_table
 from .leases import LeaseBook, renewal_until
 from .metadata import BlockIds, HybridKvMetadata, RecvReq
 from .params import host_allowed, parse_networks
@@ -120,12 +120,14 @@ class WorkerHalf:
         self.table, self.geometry = rank_table(
             kv_caches, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size, total_num_kv_heads=total_heads
         )
-        factors = compat_factors(self.vllm_config, self.cfg.mode)
+        # what vLLM applied (the layout it allocated with, the registered layers' backends), as NixlConnector reads it
+        kv_layout, attn_backend = engine_facts(self.vllm_config, list(kv_caches))
+        factors = compat_factors(self.vllm_config, self.cfg.mode, attn_backend)
         info = {
             "engine_id": self.engine_id,
             "agent_metadata": [],
-            "kv_layout": "HND",
-            "attn_backend": "vllm",
+            "kv_layout": kv_layout,
+            "attn_backend": attn_backend,
             "transfer_mode": self.cfg.mode,
             "compat_hash": compat_hash(json.dumps(factors, sort_keys=True)),
             "prefix_caching": bool(self.vllm_config.cache_config.enable_prefix_caching),
@@ -461,38 +463,32 @@ class WorkerHalf:
         self.leases.drop(p_req)
         self.finished_sending.add(p_req)
 
-    def _recv_failed(self, rid: str, local_ids: BlockIds, failed: Any) -> None:
+    def _recv_failed(self, rid: str, local_ids: BlockIds, failed: Any, link: PeerLink | None = None) -> None:
         self.stats.count("num_failed_transfers")
         self.finished_recving.add(rid)
         if self.num_groups == 1:
             # one group: block ids name blocks uniquely, so vLLM recomputes from the first failed block
-            self.invalid_blocks.update(self._failed_blocks(local_ids, failed))
+            self.invalid_blocks.update(self._failed_blocks(local_ids, failed, link))
         else:
             self.failed_recving.add(rid)  # several groups: vLLM recomputes the request
 
-    def _failed_blocks(self, local_ids: BlockIds, failed: Any) -> set[int]:
-        """The request's blocks whose bytes are not known to have landed (all of them without details)."""
+    def _failed_blocks(self, local_ids: BlockIds, failed: Any, link: PeerLink | None) -> set[int]:
+        """The request's blocks whose bytes are not known to have landed (all of them without details): each failed
+        transfer's local descriptors mapped to logical blocks per group by the Rust core (``PeerPlan.failed_blocks``:
+        unit, split, SSM, chunk and whole-state rows, padded pages), intersected with the request's ids."""
         all_ids = {b for g in local_ids for b in g}
-        if not failed or self.table is None:
-            return all_ids
-        link = next(
-            (lk for lk in self.links.values() if any(t in lk.rows for t in (f.local_key for f in failed))), None
-        )
-        if link is None:
+        if not failed or link is None:
             return all_ids
         hit: set[int] = set()
-        page = self.geometry.logical_block_size // self.geometry.kernel_block_size if self.geometry else 1
-        kernel_len = self.table.block_lens
-        bases = self.table.base_addrs
-        for f in failed:
-            # the failed descriptors' addresses, from the table Rust expands (rare path: no cache)
-            addrs = link.plan.local_descs(f.local_key)[np.asarray(f.local_ids, dtype=np.int64), 0]
-            for a in addrs.tolist():
-                for base, klen in zip(bases, kernel_len, strict=True):
-                    off = a - base
-                    if 0 <= off < klen * page * self.geometry.num_logical_blocks:  # type: ignore[union-attr]
-                        hit.add(off // (klen * page))
-        return (hit & all_ids) or all_ids
+        try:
+            for f in failed:
+                per_group = link.plan.failed_blocks(f.local_key, np.asarray(f.local_ids, dtype=np.int32))
+                for ids, blocks in zip(local_ids, per_group, strict=True):
+                    hit.update(np.intersect1d(np.asarray(ids, dtype=np.uint64), blocks).tolist())
+        except Exception as exc:  # noqa: BLE001 - never raised into get_finished: then every block is invalid
+            log.error("hybrid-kv %s: mapping failed descriptors to blocks failed: %s", self.name, exc)
+            return all_ids
+        return hit or all_ids
 
     def _on_control(self, sender: str, payload: bytes) -> None:
         """A control message (``control``): typed and bounded, bound to its sender and to its ticket's grant;
@@ -551,7 +547,7 @@ class WorkerHalf:
                 self.finished_recving.add(job.request_id)
             else:
                 log.error("hybrid-kv %s: loading %s failed: %s", self.name, job.request_id, err)
-                self._recv_failed(job.request_id, job.local_ids, err.failed)
+                self._recv_failed(job.request_id, job.local_ids, err.failed, job.link)
             if job.link is not None and job.release:
                 self._send_controls(job.link.ep, job.release)
         else:
