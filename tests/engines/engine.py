@@ -94,6 +94,7 @@ class Engine:
         self.port = self.port or free_port()
         env = dict(os.environ)
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "1200"  # a step on a loaded CI machine (the first compiles)
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
         env.update(self.env)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,7 @@ class Engine:
         prompt: list[int],
         max_tokens: int,
         kv_transfer_params: dict[str, Any] | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float = 300.0,
         request_id: str | None = None,
     ) -> dict[str, Any]:
         """One greedy completion of token ids (``ignore_eos``, logprobs of the sampled tokens)."""

@@ -25,6 +25,7 @@ from typing import Any
 from engine import HKV_CONNECTOR, NIXL_CONNECTOR, Engine, EngineError, free_port_range, logprobs, tokens
 
 START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "1500"))
+WARMUP_TIMEOUT_S = 900.0
 
 CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # name -> (kv_transfer_config, kv_connector_extra_config)
@@ -96,7 +97,18 @@ class PdPair:
             e.start()
         for e in engines:
             e.wait_ready(START_TIMEOUT_S)
-        return cls(model_name, connector, prefill, decode)
+        # the first sampled step with logprobs compiles vLLM's gather_logprobs (minutes on a loaded machine):
+        # done here, bounded, so the tests' requests are timed by their own bounds
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda e: e.complete(prompt(0, 8), 2, timeout_s=WARMUP_TIMEOUT_S), engines))
+        pair = cls(model_name, connector, prefill, decode)
+        from conftest import RESULTS
+
+        for e in engines:
+            RESULTS.setdefault("startup", []).append({"engine": e.name, "ready_s": round(e.startup_s, 1)})
+        return pair
 
     def stop(self, running: list[Any]) -> None:
         for e in (self.prefill, self.decode):
