@@ -1,45 +1,89 @@
-"""Per-peer table construction through Python: ``PeerPlan(local, payloads, "pull")`` for DeepSeek-V3 (61 MLA
-layers x 100,000 kernel blocks per rank), decode rank 0, coalesced (the default) and reference tables.
+"""Per-peer table construction through Python, DeepSeek-V3 (61 MLA layers x 100,000 kernel blocks per rank): what
+a connector pays once per peer engine, ``PeerPlan(local, payloads, mode)`` (decoding and checking the peers'
+payload bytes included) plus every table it preps (``local_rows`` of every key, ``remote_rows`` of every rank),
+coalesced (the default) and reference (``coalesce=False``), for P8 -> D16 pull and push and P16 -> D8 pull.
 
-What a connector pays once per peer engine, including decoding and checking the peers' payload bytes.
-Median of 7 samples of 50 calls each.
+This is hybrid-kv alone, not the side-by-side with vLLM's ``add_remote_agent`` that #19 item 10 quotes (that one
+ran vLLM 0.33.0's worker on CPU with NIXL stubbed). ``--against DIR`` times another build of the extension in the
+same process, interleaved round robin: DIR holds a package ``h5old`` with that build's
+``_core.cpython-*.so`` (its module init is ``PyInit__core``, so it loads beside ``hybrid_kv._core``).
 
-Run: ``PYTHONPATH=python python benches/peer_tables.py``
+Median of 7 rounds of 30 calls each per implementation.
+
+Run: ``PYTHONPATH=python python benches/peer_tables.py [--against /tmp/h5-before]``
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import hybrid_kv
 from hybrid_kv.presets import get_preset
 
 PRESET = get_preset("deepseek-v3")
+CASES = (("P8 -> D16 pull", 8, 16, "pull"), ("P8 -> D16 push", 8, 16, "push"), ("P16 -> D8 pull", 16, 8, "pull"))
 
 
-def rank(tp: int, r: int, engine: str) -> tuple[hybrid_kv.RegionTable, bytes]:
-    table = hybrid_kv.build_region_table(PRESET.rank_layout(tp=tp, rank=r, num_blocks=100_000))
-    return table, table.handshake_payload(PRESET.engine_info(engine, "pull"))
+def rank(core: Any, tp: int, r: int, engine: str, mode: str) -> tuple[Any, bytes]:
+    table = core.RegionTable.from_json(json.dumps(PRESET.rank_layout(tp=tp, rank=r, num_blocks=100_000)))
+    return table, table.handshake_payload(PRESET.engine_info(engine, mode))
 
 
-def median_us(fn: object, calls: int = 50, samples: int = 7) -> float:
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()  # type: ignore[operator]
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times) * 1e6
+def peer_tables(core: Any, p_tp: int, d_tp: int, mode: str, coalesce: bool) -> Callable[[], None]:
+    """One peer's tables, built from scratch: local rank 0 of the posting side against every target rank."""
+    local_tp, remote_tp, local_engine, remote_engine = (
+        (d_tp, p_tp, "decode", "prefill") if mode == "pull" else (p_tp, d_tp, "prefill", "decode")
+    )
+    local, _ = rank(core, local_tp, 0, local_engine, mode)
+    targets = core.handshake_target_ranks(0, local_tp, remote_tp)
+    payloads = [rank(core, remote_tp, r, remote_engine, mode)[1] for r in targets]
+
+    def build() -> None:
+        peer = core.PeerPlan(local, payloads, mode, coalesce=coalesce)
+        for key in peer.table_keys:
+            peer.local_rows(key)
+        for r in peer.remote_ranks:
+            peer.remote_rows(r)
+
+    return build
+
+
+def sample_us(fn: Callable[[], None], calls: int = 30) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
-    for p_tp, d_tp in ((8, 16), (16, 8)):
-        decode, _ = rank(d_tp, 0, "decode")
-        payloads = [rank(p_tp, r, "prefill")[1] for r in hybrid_kv.handshake_target_ranks(0, d_tp, p_tp)]
-        coalesced = median_us(lambda d=decode, p=payloads: hybrid_kv.PeerPlan(d, p, "pull"))
-        reference = median_us(lambda d=decode, p=payloads: hybrid_kv.PeerPlan(d, p, "pull", coalesce=False))
-        print(f"P{p_tp} -> D{d_tp}: coalesced {coalesced:.0f} us, reference {reference:.0f} us")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", help="directory holding package h5old with another build's _core extension")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    impls: dict[str, Any] = {"this build": hybrid_kv._core}
+    if args.against:
+        sys.path.insert(0, args.against)
+        impls["other build"] = importlib.import_module("h5old._core")
+    for name, p_tp, d_tp, mode in CASES:
+        for coalesce in (True, False):
+            fns = {k: peer_tables(core, p_tp, d_tp, mode, coalesce) for k, core in impls.items()}
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            for fn in fns.values():
+                fn()  # warm-up
+            for _ in range(args.rounds):
+                for k, fn in fns.items():
+                    times[k].append(sample_us(fn))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            cells = ", ".join(f"{k} {v:.0f} us" for k, v in med.items())
+            ratio = f" (other / this {med['other build'] / med['this build']:.2f}x)" if len(med) > 1 else ""
+            print(f"{name}, {'coalesced' if coalesce else 'reference'}: {cells}{ratio}", flush=True)
 
 
 if __name__ == "__main__":
