@@ -258,6 +258,7 @@ class WorkerHalf:
             left = until - time.time()
             log.info("hybrid-kv %s: lease of %s renewed to %.1f s from now", self.name, job.request_id, left)
         except Exception as exc:  # noqa: BLE001 - a lost renewal leaves the lease as it was
+            job.max_lease_expires_at = None  # tried once: an unreachable prefill never holds the control thread again
             log.warning("hybrid-kv %s: renewing the lease of %s failed: %s", self.name, job.request_id, exc)
         finally:
             self._renewing.discard(job.request_id)
