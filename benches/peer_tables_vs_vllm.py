@@ -1,0 +1,244 @@
+"""Per-peer tables side by side with vLLM 0.33.0's own ``add_remote_agent``, DeepSeek-V3 (61 MLA layers x 100,000
+64-token kernel blocks of 73,728 bytes per rank), in one process, interleaved round by round (#19 item 10).
+
+hybrid-kv: ``PeerPlan(local, payloads, mode, coalesce=...)`` (decoding and checking every target rank's payload bytes)
+plus every ``local_rows`` and ``remote_rows``, as ``benches/peer_tables.py`` times it.
+
+vLLM: for every target rank (``TransferTopology.handshake_target_ranks``), ``msgspec`` decoding of that rank's
+``NixlAgentMetadata`` bytes (what ``_nixl_handshake`` does before it) and ``add_remote_agent(meta, rank, remote_tp)``
+of ``NixlPullConnectorWorker`` / ``NixlPushConnectorWorker``, vLLM's code unchanged. The worker is made with
+``object.__new__`` and given the attributes ``register_kv_caches`` would set for this geometry (one MLA region per
+layer, ``_region_is_mla`` all true, ``src_blocks_data`` from vLLM's own ``register_local_xfer_handler`` run once at
+set-up, as vLLM runs it once at registration, not per peer). Stubbed: NIXL itself, by ``RecordingNixl`` (its
+``add_remote_agent`` returns a name, ``prep_xfer_dlist`` returns a handle and keeps the descriptor array it was
+given, so the bench checks that vLLM prepped one strided row per layer). Each call starts from no state for the peer
+engine (its entries in the topology and per-engine dicts are dropped first, outside the timing), so both sides build
+a peer from scratch.
+
+Median of ``--rounds`` rounds of 30 calls each per implementation; ratio = vLLM / hybrid-kv (above 1: hybrid-kv is
+faster).
+
+Run (vLLM 0.33 venv, no GPU needed): ``PYTHONPATH=python ~/.venvs/hybrid-kv-vllm/bin/python
+benches/peer_tables_vs_vllm.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker  # noqa: E402
+from vllm.v1.kv_cache_interface import MLAAttentionSpec  # noqa: E402
+
+import hybrid_kv  # noqa: E402
+from hybrid_kv.presets import get_preset  # noqa: E402
+
+PRESET = get_preset("deepseek-v3")
+NUM_BLOCKS = 100_000
+CASES = (("P8 -> D16 pull", 8, 16, "pull"), ("P8 -> D16 push", 8, 16, "push"), ("P16 -> D8 pull", 16, 8, "pull"))
+REMOTE_ENGINE = "remote-engine"
+
+
+class RecordingNixl:
+    """Stands in for vLLM's NixlWrapper: cheap returns, and the descriptor arrays it was asked to prep are kept."""
+
+    def __init__(self) -> None:
+        self.prepped: list[Any] = []
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        return "remote-agent"
+
+    def prep_xfer_dlist(self, agent: str, descs: Any, mem_type: str = "VRAM") -> int:
+        self.prepped.append(descs)
+        return len(self.prepped)
+
+
+def layout(tp: int, r: int) -> dict[str, Any]:
+    return PRESET.rank_layout(tp=tp, rank=r, num_blocks=NUM_BLOCKS)  # type: ignore[no-any-return]
+
+
+def geometry(lay: dict[str, Any]) -> tuple[list[int], list[int], int]:
+    """Base addresses, per-layer block lengths and the kernel block size of a rank layout."""
+    bs = lay["kernel_block_size"]
+    bases = [layer["memory"]["base"] for layer in lay["layers"]]
+    lens = [bs * layer["spec"]["head_size"] * layer["spec"]["dtype_bytes"] for layer in lay["layers"]]
+    return bases, lens, bs
+
+
+def vllm_worker(local_tp: int, mode: str) -> tuple[Any, RecordingNixl]:
+    """vLLM's worker for local rank 0 with the state register_kv_caches leaves for this geometry."""
+    cls = NixlPullConnectorWorker if mode == "pull" else NixlPushConnectorWorker
+    w: Any = object.__new__(cls)
+    bases, lens, bs = geometry(layout(local_tp, 0))
+    n = len(bases)
+    nixl = RecordingNixl()
+    w.nixl_wrapper = nixl
+    w.engine_id, w.tp_rank, w.device_id, w.block_size = "local-engine", 0, 0, bs
+    w.transfer_topo = TransferTopology(
+        tp_rank=0, tp_size=local_tp, block_size=bs, engine_id=w.engine_id, is_mla=True, is_mamba=False,
+        total_num_kv_heads=1, attn_backends=[], dcp_size=1,
+    )  # fmt: skip
+    w.use_mla, w._has_mamba, w.pp_size, w.dcp_size = True, False, 1, 1
+    w._group_spec_types = (MLAAttentionSpec,)
+    w._layer_specs = {}
+    w._transfer_layer_region_indices = ()
+    w._transfer_layer_names = ()
+    w._packed_member_layouts = {}
+    w._head_sharded_draft_regions = set()
+    w._head_sharded_draft_kv_heads = None
+    w._region_is_mla = [True] * n
+    w._mixed_mem_types = False
+    w._physical_blocks_per_logical_kv_block = 1
+    w._is_hma_required = False
+    w.use_host_buffer = False
+    w.kv_cache_layout = w.host_buffer_kv_cache_layout = "HND"
+    w.backend_name = "FLASHMLA"
+    w.enable_permute_local_kv = False
+    w.nixl_memory_type = "VRAM"
+    w.num_regions = n
+    w.num_blocks = NUM_BLOCKS
+    w.block_len_per_layer = lens
+    w.block_stride_per_layer = list(lens)
+    w.region_num_blocks = [NUM_BLOCKS] * n
+    w.region_group_ids = [0] * n
+    w.region_mem_types = ["VRAM"] * n
+    w.region_names = [layer["name"] for layer in layout(local_tp, 0)["layers"]]
+    w.num_descs = NUM_BLOCKS * n
+    w._remote_agents = defaultdict(dict)
+    w.kv_caches_base_addr = defaultdict(dict)
+    w.kv_caches_base_addr[w.engine_id][0] = bases
+    w.tp_mappings, w.draft_tp_mappings = {}, {}
+    w.dst_num_blocks, w.dst_region_num_blocks, w.dst_region_group_ids = {}, {}, {}
+    w.dst_uses_region_group_mapping, w.dst_region_mem_types = {}, {}
+    w.dst_xfer_side_handles = defaultdict(dict)
+    w.src_xfer_handles_by_block_size, w.src_blocks_data_by_block_size = {}, {}
+    w.src_xfer_handles_by_tp_ratio, w._dram_src_handles_by_tp_ratio = {}, {}
+    w.src_xfer_handles_by_block_size[bs], w.src_blocks_data = w.register_local_xfer_handler(bs)
+    return w, nixl
+
+
+def agent_metadata_bytes(remote_tp: int, r: int) -> bytes:
+    lay = layout(remote_tp, r)
+    bases, lens, bs = geometry(lay)
+    n = len(bases)
+    meta = NixlAgentMetadata(
+        engine_id=REMOTE_ENGINE, agent_metadata=b"\0" * 64, kv_caches_base_addr=bases, device_id=0,
+        num_blocks=NUM_BLOCKS, block_lens=lens, block_strides=list(lens), kv_cache_layout="HND", block_size=bs,
+        ssm_sizes=(0, 0), attn_backend_name="FLASHMLA", physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=[NUM_BLOCKS] * n, region_group_ids=[0] * n,
+        region_names=[layer["name"] for layer in lay["layers"]], region_mem_types=["VRAM"] * n,
+    )  # fmt: skip
+    return msgspec.msgpack.encode(meta)
+
+
+def vllm_peer(p_tp: int, d_tp: int, mode: str) -> tuple[Callable[[], None], Callable[[], None], RecordingNixl]:
+    """(reset, build, nixl): build = decode + add_remote_agent of every target rank, from a clean peer state."""
+    local_tp, remote_tp = (d_tp, p_tp) if mode == "pull" else (p_tp, d_tp)
+    w, nixl = vllm_worker(local_tp, mode)
+    targets = w.transfer_topo.handshake_target_ranks(remote_tp)
+    payloads = [(r, agent_metadata_bytes(remote_tp, r)) for r in targets]
+    decoder = msgspec.msgpack.Decoder(NixlAgentMetadata)
+
+    def reset() -> None:
+        w.transfer_topo.unregister_remote_engine(REMOTE_ENGINE)
+        for d in (w.tp_mappings, w.dst_num_blocks, w.dst_region_num_blocks, w.dst_region_group_ids,
+                  w.dst_uses_region_group_mapping, w.dst_region_mem_types, w.dst_xfer_side_handles,
+                  w.kv_caches_base_addr):  # fmt: skip
+            d.pop(REMOTE_ENGINE, None)
+        w.src_xfer_handles_by_tp_ratio.clear()
+        nixl.prepped.clear()
+
+    def build() -> None:
+        for r, data in payloads:
+            w.add_remote_agent(decoder.decode(data), r, remote_tp)
+
+    return reset, build, nixl
+
+
+def ours_peer(p_tp: int, d_tp: int, mode: str, coalesce: bool) -> Callable[[], None]:
+    core = hybrid_kv._core
+    local_tp, remote_tp, local_engine, remote_engine = (
+        (d_tp, p_tp, "decode", "prefill") if mode == "pull" else (p_tp, d_tp, "prefill", "decode")
+    )
+
+    def rank(tp: int, r: int, engine: str) -> tuple[Any, bytes]:
+        table = core.RegionTable.from_json(json.dumps(layout(tp, r)))
+        return table, table.handshake_payload(PRESET.engine_info(engine, mode))
+
+    local, _ = rank(local_tp, 0, local_engine)
+    payloads = [rank(remote_tp, r, remote_engine)[1] for r in core.handshake_target_ranks(0, local_tp, remote_tp)]
+
+    def build() -> None:
+        peer = core.PeerPlan(local, payloads, mode, coalesce=coalesce)
+        for key in peer.table_keys:
+            peer.local_rows(key)
+        for r in peer.remote_ranks:
+            peer.remote_rows(r)
+
+    return build
+
+
+def timed(reset: Callable[[], None], build: Callable[[], None], calls: int) -> float:
+    """Mean microseconds of `calls` builds, each after an untimed reset."""
+    total = 0.0
+    for _ in range(calls):
+        reset()
+        t0 = time.perf_counter()
+        build()
+        total += time.perf_counter() - t0
+    return total / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--calls", type=int, default=30)
+    args = ap.parse_args()
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    print("| case | vLLM 0.33.0 add_remote_agent | hybrid-kv coalesced | ratio | hybrid-kv reference | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, p_tp, d_tp, mode in CASES:
+        v_reset, v_build, nixl = vllm_peer(p_tp, d_tp, mode)
+        v_reset()
+        v_build()
+        remote_rows = [len(d) for d in nixl.prepped]
+        assert remote_rows and all(n == 61 for n in remote_rows), remote_rows
+        impls = {
+            "vllm": (v_reset, v_build),
+            "coalesced": (lambda: None, ours_peer(p_tp, d_tp, mode, True)),
+            "reference": (lambda: None, ours_peer(p_tp, d_tp, mode, False)),
+        }
+        times: dict[str, list[float]] = {k: [] for k in impls}
+        for reset, build in impls.values():
+            reset()
+            build()  # warm-up
+        for _ in range(args.rounds):
+            for k, (reset, build) in impls.items():
+                times[k].append(timed(reset, build, args.calls))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        v = med["vllm"]
+        print(
+            f"| {name} | {v:.0f} us | {med['coalesced']:.0f} us | {v / med['coalesced']:.2f}x "
+            f"| {med['reference']:.0f} us | {v / med['reference']:.2f}x |",
+            flush=True,
+        )
+    print(f"load average at end: {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
