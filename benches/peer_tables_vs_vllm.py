@@ -15,20 +15,26 @@ given, so the bench checks that vLLM prepped one strided row per layer). Each ca
 engine (its entries in the topology and per-engine dicts are dropped first, outside the timing), so both sides build
 a peer from scratch.
 
-Median of ``--rounds`` rounds of 30 calls each per implementation; ratio = vLLM / hybrid-kv (above 1: hybrid-kv is
-faster).
+Interleaved call by call (vLLM, coalesced, reference, vLLM, ...), ``--calls`` timed calls each; the median of each
+implementation's calls, ratio = vLLM / hybrid-kv (above 1: hybrid-kv is faster). On a loaded machine only these
+same-process ratios mean anything.
+
+``--against DIR`` adds another build of the extension (coalesced), loaded beside this one as in
+``benches/peer_tables.py`` (DIR holds a package ``h5old`` with that build's ``_core.cpython-*.so``).
 
 Run (vLLM 0.33 venv, no GPU needed): ``PYTHONPATH=python ~/.venvs/hybrid-kv-vllm/bin/python
-benches/peer_tables_vs_vllm.py``
+benches/peer_tables_vs_vllm.py [--against /tmp/h6-before]``
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -169,8 +175,7 @@ def vllm_peer(p_tp: int, d_tp: int, mode: str) -> tuple[Callable[[], None], Call
     return reset, build, nixl
 
 
-def ours_peer(p_tp: int, d_tp: int, mode: str, coalesce: bool) -> Callable[[], None]:
-    core = hybrid_kv._core
+def ours_peer(core: Any, p_tp: int, d_tp: int, mode: str, coalesce: bool) -> Callable[[], None]:
     local_tp, remote_tp, local_engine, remote_engine = (
         (d_tp, p_tp, "decode", "prefill") if mode == "pull" else (p_tp, d_tp, "prefill", "decode")
     )
@@ -192,26 +197,28 @@ def ours_peer(p_tp: int, d_tp: int, mode: str, coalesce: bool) -> Callable[[], N
     return build
 
 
-def timed(reset: Callable[[], None], build: Callable[[], None], calls: int) -> float:
-    """Mean microseconds of `calls` builds, each after an untimed reset."""
-    total = 0.0
-    for _ in range(calls):
-        reset()
-        t0 = time.perf_counter()
-        build()
-        total += time.perf_counter() - t0
-    return total / calls * 1e6
+def one_call_us(reset: Callable[[], None], build: Callable[[], None]) -> float:
+    """Microseconds of one build, after an untimed reset."""
+    reset()
+    t0 = time.perf_counter()
+    build()
+    return (time.perf_counter() - t0) * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=400, help="timed calls per implementation and case")
+    ap.add_argument("--against", help="directory holding package h5old with another build's _core (extra column)")
     args = ap.parse_args()
     logging.getLogger("vllm").setLevel(logging.ERROR)
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    print("| case | vLLM 0.33.0 add_remote_agent | hybrid-kv coalesced | ratio | hybrid-kv reference | ratio |")
-    print("|---|---|---|---|---|---|")
+    other = None
+    if args.against:
+        sys.path.insert(0, args.against)
+        other = importlib.import_module("h5old._core")
+    extra = " other build coalesced | ratio |" if other else ""
+    print(f"| case | vLLM 0.33.0 add_remote_agent | hybrid-kv coalesced | ratio | hybrid-kv reference | ratio |{extra}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if other else ""))
     for name, p_tp, d_tp, mode in CASES:
         v_reset, v_build, nixl = vllm_peer(p_tp, d_tp, mode)
         v_reset()
@@ -220,21 +227,24 @@ def main() -> None:
         assert remote_rows and all(n == 61 for n in remote_rows), remote_rows
         impls = {
             "vllm": (v_reset, v_build),
-            "coalesced": (lambda: None, ours_peer(p_tp, d_tp, mode, True)),
-            "reference": (lambda: None, ours_peer(p_tp, d_tp, mode, False)),
+            "coalesced": (lambda: None, ours_peer(hybrid_kv._core, p_tp, d_tp, mode, True)),
+            "reference": (lambda: None, ours_peer(hybrid_kv._core, p_tp, d_tp, mode, False)),
         }
+        if other is not None:
+            impls["other"] = (lambda: None, ours_peer(other, p_tp, d_tp, mode, True))
         times: dict[str, list[float]] = {k: [] for k in impls}
         for reset, build in impls.values():
             reset()
             build()  # warm-up
-        for _ in range(args.rounds):
+        for _ in range(args.calls):
             for k, (reset, build) in impls.items():
-                times[k].append(timed(reset, build, args.calls))
+                times[k].append(one_call_us(reset, build))
         med = {k: statistics.median(v) for k, v in times.items()}
         v = med["vllm"]
         print(
             f"| {name} | {v:.0f} us | {med['coalesced']:.0f} us | {v / med['coalesced']:.2f}x "
-            f"| {med['reference']:.0f} us | {v / med['reference']:.2f}x |",
+            f"| {med['reference']:.0f} us | {v / med['reference']:.2f}x |"
+            + (f" {med['other']:.0f} us | {v / med['other']:.2f}x |" if other else ""),
             flush=True,
         )
     print(f"load average at end: {os.getloadavg()}", flush=True)

@@ -173,7 +173,7 @@ fn peer_inputs(s: &Scenario) -> (RegionTable, Vec<hybrid_kv::core::AgentMeta>) {
 fn peer_tables(p: &PeerPlan) -> impl Iterator<Item = &DescTable> {
     p.local_tables
         .iter()
-        .map(|(_, t)| t)
+        .map(|(_, t)| &**t)
         .chain(p.remote_tables.iter().map(|(_, t)| t))
 }
 

@@ -30,6 +30,8 @@
 //! chunk rows. `PeerPlan::with_coalescing(.., false)` builds the reference tables and ids (one id per unit, no
 //! extra rows) for NIXL < 1.5 users, whose flat `(N, 3)` tables would otherwise grow `J + 1` times.
 
+use std::sync::{Arc, Mutex};
+
 use super::descs::{DescTable, StridedRow};
 use super::error::LayoutError;
 use super::region::hosts_attention;
@@ -81,31 +83,42 @@ pub fn dense_row(table: &DescTable, start: u64, count: u64) -> Option<StridedRow
 /// Append the chunk rows of a dense unit row to `rows`, in `(j, p)` order (rows of count 0 skipped: they add
 /// no descriptors), and each one's flat start to `starts`; `next` is the flat index the first one takes.
 ///
-/// Written as plain loops with shifts: the iterator version spent a third of a DeepSeek-V3 peer plan's
-/// construction on a division by the (power-of-two) chunk size and on spilled iterator state.
+/// Plain loops with shifts (an iterator chain spent a third of a DeepSeek-V3 peer plan's construction on a
+/// division by the power-of-two chunk size and on spilled iterator state). A row of at least
+/// `2^(J+1) - 1` units (every real region) has no empty chunk row, so its rows and starts are written as
+/// fixed-length runs per `j`, without a branch or a capacity check per row.
 fn push_chunk_rows(
     row: &StridedRow,
     next: &mut u64,
     (rows, row_starts): (&mut Vec<StridedRow>, &mut Vec<u64>),
     starts: &mut Vec<u64>,
 ) {
+    let none_empty = row.count >= (2 << MAX_CHUNK_LOG2) - 1;
     for j in 1..=MAX_CHUNK_LOG2 {
         let len = row.len << j;
-        for p in 0..1u64 << j {
-            let count = row.count.saturating_sub(p) >> j;
+        let phases = 1u64 << j;
+        let first = starts.len();
+        for p in 0..phases {
             starts.push(*next);
-            if count > 0 {
-                row_starts.push(*next);
-            }
-            *next += count;
-            if count > 0 {
-                rows.push(StridedRow {
-                    addr: row.addr + p * row.len,
-                    len,
-                    device: row.device,
-                    stride: len,
-                    count,
-                });
+            *next += row.count.saturating_sub(p) >> j;
+        }
+        let chunk = |p: u64| StridedRow {
+            addr: row.addr + p * row.len,
+            len,
+            device: row.device,
+            stride: len,
+            count: row.count.saturating_sub(p) >> j,
+        };
+        if none_empty {
+            row_starts.extend_from_slice(&starts[first..]);
+            rows.extend((0..phases).map(chunk));
+            continue;
+        }
+        for p in 0..phases {
+            let c = chunk(p);
+            if c.count > 0 {
+                row_starts.push(starts[first + p as usize]);
+                rows.push(c);
             }
         }
     }
@@ -141,6 +154,74 @@ pub fn with_chunk_rows(
     }
     (DescTable::with_starts(rows, table.num_fa, row_starts, next), starts)
 }
+
+/// A base local table with its chunk rows, and the chunk starts of every region.
+pub type ChunkedBase = (Arc<DescTable>, Vec<Option<ChunkStarts>>);
+
+/// Most base tables a [`ChunkedBases`] keeps: one per local sub-block count a peer's kernel block size asks for
+/// (a peer's payload chooses it, so the cache is bounded; the oldest entry goes first).
+pub const MAX_CHUNKED_BASES: usize = 4;
+
+/// What [`with_chunk_rows`] was given: `(table, region_start, region_count, coalesce)`.
+type ChunkInputs = (DescTable, Vec<u64>, Vec<u64>, Vec<bool>);
+
+/// The chunked base local tables of one rank, built once and shared (`Arc`) by every coalescing
+/// [`PeerPlan`](super::plan::PeerPlan) of the rank: they depend on the local rank alone, and building their
+/// chunk rows (126 per dense region) was a third of a DeepSeek-V3 peer's table construction.
+///
+/// An entry is [`with_chunk_rows`] of the inputs stored with it and is used only for equal inputs (61 rows to
+/// compare for DeepSeek-V3), so a hit returns exactly what a fresh build would. Not part of a table's identity:
+/// clones start empty, and any two caches compare equal.
+#[derive(Debug, Default)]
+pub struct ChunkedBases(Mutex<Vec<(ChunkInputs, Arc<ChunkedBase>)>>);
+
+impl ChunkedBases {
+    /// [`with_chunk_rows`] of these inputs, built once per distinct inputs (at most [`MAX_CHUNKED_BASES`] kept).
+    pub fn with_chunk_rows(
+        &self,
+        table: &DescTable,
+        region_start: &[u64],
+        region_count: &[u64],
+        coalesce: &[bool],
+    ) -> Arc<ChunkedBase> {
+        let lock = || self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let same = |(t, s, c, m): &ChunkInputs| {
+            t == table && s[..] == *region_start && c[..] == *region_count && m[..] == *coalesce
+        };
+        if let Some((_, hit)) = lock().iter().find(|(inputs, _)| same(inputs)) {
+            return Arc::clone(hit);
+        }
+        // Built outside the lock: a slow build never blocks another thread's lookups.
+        let (chunked, starts) = with_chunk_rows(table, region_start, region_count, coalesce);
+        let built = Arc::new((Arc::new(chunked), starts));
+        let mut entries = lock();
+        if entries.len() >= MAX_CHUNKED_BASES {
+            entries.remove(0);
+        }
+        let inputs = (
+            table.clone(),
+            region_start.to_vec(),
+            region_count.to_vec(),
+            coalesce.to_vec(),
+        );
+        entries.push((inputs, Arc::clone(&built)));
+        built
+    }
+}
+
+impl Clone for ChunkedBases {
+    fn clone(&self) -> Self {
+        ChunkedBases::default()
+    }
+}
+
+impl PartialEq for ChunkedBases {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ChunkedBases {}
 
 impl RegionTable {
     /// [`RegionTable::local_table`] with chunk rows for every attention region whose units are dense in it, then
@@ -180,7 +261,7 @@ mod tests {
 
     #[test]
     fn every_chunk_id_resolves_to_its_units() {
-        for count in [2u64, 3, 5, 64, 65, 130] {
+        for count in [2u64, 3, 5, 64, 65, 126, 127, 128, 130] {
             let unit = StridedRow {
                 addr: 0x1000,
                 len: 8,
@@ -228,5 +309,40 @@ mod tests {
         let (c, s) = with_chunk_rows(&t, &[0, 10, 20], &[10, 10, 1], &[true, true, true]);
         assert_eq!(s.iter().filter(|s| s.is_some()).count(), 1);
         assert!(c.rows.len() > 3);
+    }
+
+    #[test]
+    fn chunked_bases_build_once_per_inputs_and_stay_bounded() {
+        let table = |count| {
+            let row = StridedRow {
+                addr: 0x1000,
+                len: 8,
+                device: 0,
+                stride: 8,
+                count,
+            };
+            DescTable::new(vec![row], count)
+        };
+        let cache = ChunkedBases::default();
+        let t = table(200);
+        let a = cache.with_chunk_rows(&t, &[0], &[200], &[true]);
+        let b = cache.with_chunk_rows(&t, &[0], &[200], &[true]);
+        assert!(Arc::ptr_eq(&a, &b), "equal inputs share one build");
+        let (fresh, starts) = with_chunk_rows(&t, &[0], &[200], &[true]);
+        assert_eq!((&*a.0, &a.1), (&fresh, &starts), "a hit is what a fresh build gives");
+        // Any input differing builds anew: another table, other counts, another mask.
+        let other = cache.with_chunk_rows(&table(300), &[0], &[300], &[true]);
+        assert_eq!(
+            other.0.len(),
+            with_chunk_rows(&table(300), &[0], &[300], &[true]).0.len()
+        );
+        let unmasked = cache.with_chunk_rows(&t, &[0], &[200], &[false]);
+        assert_eq!(unmasked.0.rows.len(), 1);
+        // Bounded: a peer choosing many sub-block counts cannot grow it past MAX_CHUNKED_BASES.
+        for n in 0..3 * MAX_CHUNKED_BASES as u64 {
+            cache.with_chunk_rows(&table(400 + n), &[0], &[400 + n], &[true]);
+        }
+        assert_eq!(cache.0.lock().unwrap().len(), MAX_CHUNKED_BASES);
+        assert_eq!(cache.clone().0.lock().unwrap().len(), 0, "clones start empty");
     }
 }

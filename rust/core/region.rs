@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::coalesce::ChunkedBases;
 use super::error::LayoutError;
 use super::layout::{LayerInput, MemType, RankLayout};
 use super::natural::natural_cmp;
@@ -113,6 +114,9 @@ pub struct RegionTable {
     pub device: u32,
     /// Memory type of every region.
     pub mem_type: MemType,
+    /// The chunked base local tables of this rank, built once for all its peer plans (`coalesce.rs`).
+    #[serde(skip)]
+    pub chunked_bases: ChunkedBases,
 }
 
 /// A layer's region view after applying the block geometry.
@@ -399,6 +403,7 @@ impl RegionTable {
             tp_size: layout.tp_size,
             device,
             mem_type,
+            chunked_bases: ChunkedBases::default(),
         })
     }
 

@@ -3,6 +3,8 @@
 //! rank to a local table (cutting split tables where one is needed), append the coalescing rows, and fix the
 //! id slots a request is emitted into.
 
+use std::sync::Arc;
+
 use super::checks::{check_inside_advertised, check_remote_size, check_remotes};
 use super::emit::Slots;
 use super::error::{PlanError, Side};
@@ -252,7 +254,7 @@ fn with_split_tables(
     (base_key, base): (TableKey, DescTable),
     pieces: &[Piece],
     l_counts: &[u64],
-) -> Result<Vec<(TableKey, DescTable)>, PlanError> {
+) -> Result<Vec<(TableKey, Arc<DescTable>)>, PlanError> {
     let replicated: Vec<bool> = local
         .regions
         .iter()
@@ -260,9 +262,10 @@ fn with_split_tables(
         .collect();
     let mut local_tables = Vec::with_capacity(1 + pieces.len());
     for (i, piece) in pieces.iter().enumerate() {
-        local_tables.push((TableKey::Split(i), split_table(&base, &replicated, l_counts, *piece)?));
+        let split = split_table(&base, &replicated, l_counts, *piece)?;
+        local_tables.push((TableKey::Split(i), Arc::new(split)));
     }
-    local_tables.insert(0, (base_key, base));
+    local_tables.insert(0, (base_key, Arc::new(base)));
     Ok(local_tables)
 }
 

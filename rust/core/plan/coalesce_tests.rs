@@ -74,7 +74,7 @@ fn deepseek(blocks: u64, prefill: &[u64], decode: &[u64]) -> Scenario {
 fn tables(p: &PeerPlan) -> impl Iterator<Item = &DescTable> {
     p.local_tables
         .iter()
-        .map(|(_, t)| t)
+        .map(|(_, t)| &**t)
         .chain(p.remote_tables.iter().map(|(_, t)| t))
 }
 
@@ -170,6 +170,26 @@ fn deepseek_v3_128k_contiguous_request_is_a_few_chunks() {
 }
 
 #[test]
+fn peer_plans_of_one_rank_share_its_chunked_base_table() {
+    let s = deepseek(256, &[1, 2, 3], &[4, 5, 6]);
+    let dep = Deployment::build(&s).unwrap();
+    let local = &dep.decode[0].table;
+    let ranks: Vec<u32> = dep.peers[0].remote_tables.iter().map(|(r, _)| *r).collect();
+    let remotes: Vec<_> = ranks.iter().map(|&r| dep.prefill[r as usize].meta.clone()).collect();
+    let a = PeerPlan::new(local, &remotes, crate::core::meta::TransferMode::Pull).unwrap();
+    let b = PeerPlan::new(local, &remotes, crate::core::meta::TransferMode::Pull).unwrap();
+    assert!(
+        std::sync::Arc::ptr_eq(&a.local_tables[0].1, &b.local_tables[0].1),
+        "built once per rank"
+    );
+    assert_eq!(*a.local_tables[0].1, local.coalesced_local_table(1).unwrap());
+    // A fresh rank (no cache) plans exactly the same tables.
+    let fresh = PeerPlan::new(&local.clone(), &remotes, crate::core::meta::TransferMode::Pull).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&a.local_tables[0].1, &fresh.local_tables[0].1));
+    assert!(tables(&a).eq(tables(&fresh)));
+}
+
+#[test]
 fn fragmented_requests_fall_back_to_single_ids() {
     let even: Vec<u64> = (0..64).map(|i| 2 * i).collect();
     let run: Vec<u64> = (300..364).collect();
@@ -238,7 +258,7 @@ fn no_chunk_rows_for_head_sharded_or_ssm_rows() {
                 );
                 // The base table depends on the local rank alone: chunk rows for both dense attention regions, a
                 // whole-state row for both SSM regions.
-                let base = &pc.local_tables[0].1;
+                let base = &*pc.local_tables[0].1;
                 assert_eq!(base, &locals[i].table.coalesced_local_table(1).unwrap());
                 assert_eq!(base.rows.len() - pr.local_tables[0].1.rows.len(), 2 * 126 + 2);
                 // Split tables: 126 chunk rows per attention region when it is kept whole, else none.

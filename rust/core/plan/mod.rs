@@ -47,6 +47,8 @@ pub use self::checks::{REMOTE_UNITS_FACTOR, REMOTE_UNITS_FLOOR};
 pub use self::error::{PlanError, Side};
 pub use self::key::TableKey;
 
+use std::sync::Arc;
+
 use self::emit::{Slots, Windows};
 use self::failed::BlockMap;
 use self::ids::IdSpace;
@@ -92,7 +94,7 @@ pub struct PeerPlan {
     /// Common unit of the two kernel block sizes.
     pub units: BlockUnits,
     /// Local tables by key: the base table first, then the split tables.
-    pub local_tables: Vec<(TableKey, DescTable)>,
+    pub local_tables: Vec<(TableKey, Arc<DescTable>)>,
     /// Remote tables by remote rank, ascending.
     pub remote_tables: Vec<(u32, DescTable)>,
     groups: Vec<GroupKind>,
@@ -116,7 +118,7 @@ impl PeerPlan {
 
     /// The local table of `key`.
     pub fn local_table(&self, key: TableKey) -> Option<&DescTable> {
-        self.local_tables.iter().find(|(k, _)| *k == key).map(|(_, t)| t)
+        self.local_tables.iter().find(|(k, _)| *k == key).map(|(_, t)| &**t)
     }
 
     /// The table of remote rank `rank`.

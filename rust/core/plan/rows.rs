@@ -2,9 +2,11 @@
 //! (`coalesce.rs`) and whole-state rows for SSM states contiguous on both sides (`state_rows.rs`). Appended
 //! rows never move an existing descriptor id, and a table they would push past int32 ids is left as it was.
 
+use std::sync::Arc;
+
 use super::ids::{IdSpace, ID_LIMIT};
 use super::key::TableKey;
-use crate::core::coalesce::{dense_row, with_chunk_rows, ChunkStarts};
+use crate::core::coalesce::{dense_row, with_chunk_rows, ChunkStarts, ChunkedBase};
 use crate::core::descs::DescTable;
 use crate::core::region::RegionTable;
 use crate::core::state_rows::with_state_rows;
@@ -19,7 +21,7 @@ pub(super) type StateStarts = (Vec<u64>, Vec<u64>);
 /// chunk starts and, when plans use whole-state rows, where each SSM region's states start on both sides.
 pub(super) fn append_rows(
     local: &RegionTable,
-    local_tables: &mut [(TableKey, DescTable)],
+    local_tables: &mut [(TableKey, Arc<DescTable>)],
     remote_tables: &mut [(u32, DescTable)],
     attention_ranks: &[u32],
     region_groups: &[Vec<usize>],
@@ -27,6 +29,7 @@ pub(super) fn append_rows(
     r_side: (&IdSpace, &[u64]),
 ) -> (RegionChunks, Option<StateStarts>) {
     let chunks = add_chunk_rows(
+        local,
         local_tables,
         remote_tables,
         attention_ranks,
@@ -46,7 +49,8 @@ pub(super) fn append_rows(
 /// routes use. Returns the per-region chunk starts of the regions coalesced on both sides (none at all when a
 /// table would outgrow int32 ids; every table is then left as it was).
 fn add_chunk_rows(
-    local_tables: &mut [(TableKey, DescTable)],
+    local_rank: &RegionTable,
+    local_tables: &mut [(TableKey, Arc<DescTable>)],
     remote_tables: &mut [(u32, DescTable)],
     attention_ranks: &[u32],
     region_groups: &[Vec<usize>],
@@ -61,7 +65,7 @@ fn add_chunk_rows(
             })
             .collect()
     };
-    let locals: Vec<&DescTable> = local_tables.iter().map(|(_, t)| t).collect();
+    let locals: Vec<&DescTable> = local_tables.iter().map(|(_, t)| &**t).collect();
     let base_mask = dense(&locals[..1], &l_space.region_start, l_counts);
     // Every route uses a split table when there are any, else the base table.
     let used_mask = if locals.len() > 1 {
@@ -75,12 +79,19 @@ fn add_chunk_rows(
         .zip(&used_mask)
         .map(|(&r, &l)| r && l)
         .collect();
-    let local: Vec<_> = local_tables
+    // The base table's chunk rows depend on the local rank alone: built once per rank, shared by its plans.
+    let local: Vec<Arc<ChunkedBase>> = local_tables
         .iter()
         .enumerate()
         .map(|(i, (_, t))| {
-            let mask = if i == 0 { &base_mask } else { &used_mask };
-            with_chunk_rows(t, &l_space.region_start, l_counts, mask)
+            if i == 0 {
+                local_rank
+                    .chunked_bases
+                    .with_chunk_rows(t, &l_space.region_start, l_counts, &base_mask)
+            } else {
+                let (c, s) = with_chunk_rows(t, &l_space.region_start, l_counts, &used_mask);
+                Arc::new((Arc::new(c), s))
+            }
         })
         .collect();
     let remote: Vec<Option<_>> = remote_tables
@@ -94,16 +105,12 @@ fn add_chunk_rows(
     let Some((_, remote_starts)) = remote.iter().flatten().next() else {
         // No route exchanges attention, so no chunk id is ever planned; the base table still gets its chunk
         // rows, since it depends on the local rank alone (prepped before any handshake).
-        if let Some((base, _)) = local.into_iter().next().filter(|(t, _)| t.len() <= ID_LIMIT) {
-            local_tables[0].1 = base;
+        if let Some(base) = local.first().filter(|b| b.0.len() <= ID_LIMIT) {
+            local_tables[0].1 = Arc::clone(&base.0);
         }
         return none();
     };
-    if local
-        .iter()
-        .chain(remote.iter().flatten())
-        .any(|(t, _)| t.len() > ID_LIMIT)
-    {
+    if local.iter().any(|b| b.0.len() > ID_LIMIT) || remote.iter().flatten().any(|(t, _)| t.len() > ID_LIMIT) {
         return none();
     }
     // Chunk starts depend only on the region counts and the mask, so all split (all remote) tables agree.
@@ -114,8 +121,8 @@ fn add_chunk_rows(
         .zip(&remote_mask)
         .map(|((l, r), &m)| if m { l.clone().zip(r.clone()) } else { None })
         .collect();
-    for ((_, t), (c, _)) in local_tables.iter_mut().zip(local) {
-        *t = c;
+    for ((_, t), c) in local_tables.iter_mut().zip(&local) {
+        *t = Arc::clone(&c.0);
     }
     for ((_, t), c) in remote_tables.iter_mut().zip(remote) {
         if let Some((c, _)) = c {
@@ -130,7 +137,7 @@ fn add_chunk_rows(
 /// tables) and every remote table's pieces are contiguous too (equal TP), to the remote tables. Returns the
 /// flat id of each SSM region's first state on both sides when plans use them.
 fn add_state_rows(
-    local_tables: &mut [(TableKey, DescTable)],
+    local_tables: &mut [(TableKey, Arc<DescTable>)],
     remote_tables: &mut [(u32, DescTable)],
     regions: usize,
     streams: usize,
@@ -139,7 +146,7 @@ fn add_state_rows(
     if base.len() > ID_LIMIT {
         return None;
     }
-    local_tables[0].1 = base;
+    local_tables[0].1 = Arc::new(base);
     if local_tables.len() > 1 {
         return None; // SSM state moves through split tables, in shares
     }
