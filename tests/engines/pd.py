@@ -35,6 +35,19 @@ CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+CONTROLS_ENV = "HYBRID_KV_ENGINE_CONTROLS"
+"""Set to ``1`` to also start vLLM's own NixlConnector pairs, the control the closing notes compare against.
+They test vLLM, not hybrid-kv, and each pair costs minutes of engine start-up on 2 cores, so the README's test
+command (and CI) starts only hybrid-kv's pairs; ``bash scripts/test-engines.sh`` with the variable set runs both
+side by side."""
+
+
+def connectors(*names: str) -> list[str]:
+    """The pairs a module starts: the hybrid-kv ones always, ``nixl`` only with ``HYBRID_KV_ENGINE_CONTROLS=1``."""
+    with_controls = os.environ.get(CONTROLS_ENV, "") == "1"
+    return [n for n in names if with_controls or not n.startswith("nixl")]
+
+
 def prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
     """A deterministic prompt of ``n`` token ids (no tokenizer: ids only)."""
     state = (seed * 2654435761 + 12345) & 0xFFFFFFFF

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import RESULTS, RUNNING
 from engine import logprobs, tokens
-from pd import PdPair, cpu_load, max_delta, pair_fixture_body, prompt
+from pd import PdPair, connectors, cpu_load, max_delta, pair_fixture_body, prompt
 from proxy import route, route_all
 
 MODEL = "gqa"
@@ -27,7 +27,7 @@ LOGPROB_TOL = 1e-4  # bit-identical in practice (same kernels, same bytes); the 
 LOAD_REQUESTS = 6
 
 
-@pytest.fixture(scope="module", params=["hybrid-kv-pull", "hybrid-kv-push", "nixl"])
+@pytest.fixture(scope="module", params=connectors("hybrid-kv-pull", "hybrid-kv-push", "nixl"))
 def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> Iterator[PdPair]:
     yield from pair_fixture_body(MODEL, request.param, models_root, logs_root, RUNNING)
 

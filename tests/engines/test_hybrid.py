@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import RESULTS, RUNNING
-from pd import PdPair, compare_tokens, max_delta, pair_fixture_body
+from pd import PdPair, compare_tokens, connectors, max_delta, pair_fixture_body
 
 MODEL = "qwen3_next"
 CHUNK = 128
@@ -32,7 +32,7 @@ ENGINE_ARGS = ["--no-enable-prefix-caching"]
 PREFILL_ARGS = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
 
 
-@pytest.fixture(scope="module", params=["hybrid-kv-pull", "nixl"])
+@pytest.fixture(scope="module", params=connectors("hybrid-kv-pull", "nixl"))
 def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> Iterator[PdPair]:
     yield from pair_fixture_body(
         MODEL, request.param, models_root, logs_root, RUNNING, extra_args=ENGINE_ARGS, prefill_args=PREFILL_ARGS

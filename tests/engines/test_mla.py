@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import RESULTS, RUNNING
-from pd import PdPair, compare_tokens, max_delta, pair_fixture_body
+from pd import PdPair, compare_tokens, connectors, max_delta, pair_fixture_body
 
 MODEL = "mla"
 BLOCK = 16  # vLLM's CPU MLA block (tokens)
@@ -28,7 +28,7 @@ MAX_TOKENS = 12
 LOGPROB_TOL = 1e-4  # same kernels over the same latent bytes: bit-identical in practice
 
 
-@pytest.fixture(scope="module", params=["hybrid-kv-pull", "nixl"])
+@pytest.fixture(scope="module", params=connectors("hybrid-kv-pull", "nixl"))
 def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> Iterator[PdPair]:
     yield from pair_fixture_body(MODEL, request.param, models_root, logs_root, RUNNING)
 
