@@ -3,8 +3,8 @@ a connector pays once per peer engine, ``PeerPlan(local, payloads, mode)`` (deco
 payload bytes included) plus every table it preps (``local_rows`` of every key, ``remote_rows`` of every rank),
 coalesced (the default) and reference (``coalesce=False``), for P8 -> D16 pull and push and P16 -> D8 pull.
 
-This is hybrid-kv alone, not the side-by-side with vLLM's ``add_remote_agent`` that #19 item 10 quotes (that one
-ran vLLM 0.33.0's worker on CPU with NIXL stubbed). ``--against DIR`` times another build of the extension in the
+This is hybrid-kv alone; ``benches/peer_tables_vs_vllm.py`` runs the same tables side by side with vLLM 0.33.0's
+own ``add_remote_agent`` (#19 item 10). ``--against DIR`` times another build of the extension in the
 same process, interleaved round robin: DIR holds a package ``h5old`` with that build's
 ``_core.cpython-*.so`` (its module init is ``PyInit__core``, so it loads beside ``hybrid_kv._core``).
 
