@@ -27,6 +27,20 @@ struct VersionProbe {
     version: Option<u64>,
 }
 
+/// The version probe of a payload that did not decode: a missing, unreadable or other version is the error.
+fn check_version(bytes: &[u8]) -> Result<(), HandshakeError> {
+    let probe: VersionProbe = rmp_serde::from_slice(bytes)
+        .map_err(|e| HandshakeError::Malformed(format!("cannot read the version field: {e}")))?;
+    match probe.version {
+        None => Err(HandshakeError::Malformed("the version field is missing".into())),
+        Some(v) if v != u64::from(META_VERSION) => Err(HandshakeError::Version {
+            local: META_VERSION,
+            remote: v,
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
 /// Decode and check a peer's metadata. Never panics; allocation is bounded by the payload size, which is
 /// itself capped.
 ///
@@ -41,20 +55,22 @@ pub fn decode(bytes: &[u8]) -> Result<AgentMeta, HandshakeError> {
             bytes[0]
         )));
     }
-    let probe: VersionProbe = rmp_serde::from_slice(bytes)
-        .map_err(|e| HandshakeError::Malformed(format!("cannot read the version field: {e}")))?;
-    match probe.version {
-        None => return Err(HandshakeError::Malformed("the version field is missing".into())),
-        Some(v) if v != u64::from(META_VERSION) => {
+    // One pass for the common case, a payload of this version; only a payload that does not decode as this
+    // version's metadata is probed for its version, so that another version's payload is named as such (the
+    // errors are those of probing first: the probe reads a subset of what a full decode reads).
+    let meta: AgentMeta = match rmp_serde::from_slice::<AgentMeta>(bytes) {
+        Ok(meta) if meta.version == META_VERSION => meta,
+        Ok(meta) => {
             return Err(HandshakeError::Version {
                 local: META_VERSION,
-                remote: v,
+                remote: u64::from(meta.version),
             })
         }
-        Some(_) => {}
-    }
-    let meta: AgentMeta =
-        rmp_serde::from_slice(bytes).map_err(|e| HandshakeError::Malformed(format!("cannot decode metadata: {e}")))?;
+        Err(e) => {
+            check_version(bytes)?;
+            return Err(HandshakeError::Malformed(format!("cannot decode metadata: {e}")));
+        }
+    };
     let problems = structure_findings(&meta);
     if problems.is_empty() {
         Ok(meta)
