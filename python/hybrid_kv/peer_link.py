@@ -57,6 +57,7 @@ def fetch_replies(
     *,
     deadline: float | None = None,
     secret: bytes | str | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> dict[int, MetaReply]:
     """Each rank's side-channel reply, fetched once (authenticated; see ``side_channel.fetch_reply``).
 
@@ -64,6 +65,8 @@ def fetch_replies(
     ``MAX_ATTEMPTS`` attempts) while ``deadline`` (``time.monotonic()``; ``None``: one attempt) leaves room for
     another pause and attempt.
     Any other failure (authentication, the peer's error, a protocol mismatch) is not retried.
+    ``names``: each rank's endpoint name, where known: the request names it (``to``), any other endpoint
+    refuses it, and a reply from another name is refused.
 
     Raises:
         HandshakeError: a rank's reply could not be fetched; the message names the rank and address.
@@ -81,7 +84,8 @@ def fetch_replies(
                 per_try = timeout_s if deadline is None else max(0.05, min(timeout_s, deadline - time.monotonic()))
                 t0 = time.monotonic()
                 try:
-                    replies[rank] = fetch_reply(ctx, address, rank, sender, per_try, secret=secret)
+                    to = None if names is None else names.get(rank)
+                    replies[rank] = fetch_reply(ctx, address, rank, sender, per_try, secret=secret, to=to)
                     break
                 except ChannelError as exc:
                     timed_out = time.monotonic() - t0 >= 0.95 * per_try  # no reply in time (not a refusal)
@@ -131,9 +135,11 @@ def prepare_link(
     engine_id: str = "",
     expected_tp_size: int | None = None,
     secret: bytes | str | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> PreparedLink:
     """Fetch every target rank's reply once and plan from exactly those payloads (validated against
-    ``own_payload``; ``engine_id`` and ``expected_tp_size``, when given, must be what the peer says it is).
+    ``own_payload``; ``engine_id`` and ``expected_tp_size``, when given, must be what the peer says it is;
+    ``names``, each rank's endpoint name where known, binds each fetch to it: see ``fetch_replies``).
 
     Runs no NIXL call, so it may run on any thread.
 
@@ -141,7 +147,7 @@ def prepare_link(
         HandshakeError: a fetch failed, or a payload is incompatible or malformed (``findings`` set).
         PlanError: the two sides cannot be planned together.
     """
-    replies = fetch_replies(addresses, sender, timeout_s, deadline=deadline, secret=secret)
+    replies = fetch_replies(addresses, sender, timeout_s, deadline=deadline, secret=secret, names=names)
     planner = RankPlanner(
         table,
         {r: reply.payload for r, reply in replies.items()},

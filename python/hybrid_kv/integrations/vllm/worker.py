@@ -64,8 +64,15 @@ class _Inflight:
     handle: RequestHandle | None  # the posted request (its ``stats`` are NIXL's telemetry); None when awaited
     ids: int  # descriptor ids handed to NIXL (before its merge of ids consecutive on both sides)
     local_ids: BlockIds = field(default_factory=list)
-    release: list[tuple[str, bytes]] = field(default_factory=list)  # (address, control) to send when it ends
+    # (address, control, endpoint meant) to send when it ends
+    release: list[tuple[str, bytes, str]] = field(default_factory=list)
     lease_expires_at: float | None = None  # pull: the prefill's lease on the blocks read (wall clock)
+
+
+def worker_name(engine_id: str, tp_rank: int) -> str:
+    """The endpoint (NIXL agent) name of worker ``tp_rank`` of engine ``engine_id``: side-channel requests name
+    the endpoint they are meant for, and every other endpoint refuses them."""
+    return f"{engine_id}-tp{tp_rank}"
 
 
 def _lease_over(expires_at: float | None) -> bool:
@@ -85,7 +92,7 @@ class WorkerHalf:
         self.tp_size = int(pc.tensor_parallel_size)
         self.tp_rank = int(get_tensor_model_parallel_rank()) if self.tp_size > 1 else 0
         self.port = cfg.worker_port(int(getattr(pc, "data_parallel_index", 0) or 0), self.tp_size, self.tp_rank)
-        self.name = f"{engine_id}-tp{self.tp_rank}"
+        self.name = worker_name(engine_id, self.tp_rank)
         self.num_groups = len(kv_cache_config.transfer_groups)
         self.stats = HybridKvStats()
         self.table: RegionTable | None = None
@@ -182,6 +189,7 @@ class WorkerHalf:
             coalesce=self.cfg.coalesce,
             engine_id=engine_id,
             expected_tp_size=tp_size,
+            names={r: worker_name(engine_id, r) for r in handshake_target_ranks(self.tp_rank, self.tp_size, tp_size)},
         )
 
     def _link(self, engine_id: str, host: str, port: int, tp_size: int, job: RecvReq | str) -> PeerLink | None:
@@ -251,7 +259,10 @@ class WorkerHalf:
             msg = control.encode(control.Renew(req=job.remote_request_id, grant=job.grant, until=until))
             for r in handshake_target_ranks(self.tp_rank, self.tp_size, job.remote_tp_size):
                 self.server.send_control(
-                    self._address(job.remote_host, job.remote_port, r), msg, self.cfg.handshake_timeout_s
+                    self._address(job.remote_host, job.remote_port, r),
+                    msg,
+                    self.cfg.handshake_timeout_s,
+                    expected_name=worker_name(job.remote_engine_id, r),
                 )
             job.lease_expires_at = until
             self.stats.count("num_lease_renewals")
@@ -329,7 +340,7 @@ class WorkerHalf:
     def _start_pull(self, req: RecvReq, link: PeerLink) -> None:
         consumers = max(1, self.tp_size // req.remote_tp_size)
         release = control.encode(control.Release(req=req.remote_request_id, grant=req.grant, consumers=consumers))
-        releases = [(link.addresses[r], release) for r in link.targets]
+        releases = [(link.addresses[r], release, worker_name(link.engine_id, r)) for r in link.targets]
         transfers: list[Transfer] = []
         if any(req.local_block_ids) and any(req.remote_block_ids):
             transfers = link.transfers(req.local_block_ids, req.remote_block_ids)
@@ -353,7 +364,7 @@ class WorkerHalf:
         nids = sum(int(t.local_ids.size) for t in transfers)
         self.inflight[rid] = _Inflight(rid, role, link, transfers, time.perf_counter(), handle, nids, ids)
 
-    def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
+    def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes, str]]) -> None:
         """Queue control messages for the control thread: each is a side-channel round trip (up to
         ``handshake_timeout_s`` with a slow peer), which no step waits for. One thread keeps their order."""
         t0 = time.perf_counter()
@@ -361,11 +372,12 @@ class WorkerHalf:
             self._control_pool.submit(self._send_controls_now, ep, messages)
         self.stats.add_time("worker_control_s", time.perf_counter() - t0)
 
-    def _send_controls_now(self, ep: Endpoint, messages: list[tuple[str, bytes]]) -> None:
-        """Deliver ``messages`` (control thread); a failure is logged, never raised (the lease covers it)."""
-        for address, payload in messages:
+    def _send_controls_now(self, ep: Endpoint, messages: list[tuple[str, bytes, str]]) -> None:
+        """Deliver ``messages`` (``(address, payload, the endpoint meant)``, on the control thread): any other
+        endpoint refuses a message; a failure is logged, never raised (the lease covers it)."""
+        for address, payload, to in messages:
             try:
-                ep.send_control(address, payload, self.cfg.handshake_timeout_s)
+                ep.send_control(address, payload, self.cfg.handshake_timeout_s, expected_name=to)
             except Exception as exc:  # noqa: BLE001 - a lost control message only delays a free until the lease
                 log.warning("hybrid-kv %s: control message to %s failed: %s", self.name, address, exc)
 
@@ -388,7 +400,11 @@ class WorkerHalf:
         msg = control.encode(reg)
         if not reg.ids:
             self._send_controls(
-                self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets]
+                self.server,
+                [
+                    (self._address(req.remote_host, req.remote_port, r), msg, worker_name(req.remote_engine_id, r))
+                    for r in targets
+                ],
             )
             self.finished_recving.add(req.request_id)
             return
@@ -400,7 +416,13 @@ class WorkerHalf:
             "ids": req.local_block_ids,
             "deadline": time.monotonic() + self.cfg.push_registration_timeout_s,
         }
-        self._send_controls(self.server, [(self._address(req.remote_host, req.remote_port, r), msg) for r in targets])
+        self._send_controls(
+            self.server,
+            [
+                (self._address(req.remote_host, req.remote_port, r), msg, worker_name(req.remote_engine_id, r))
+                for r in targets
+            ],
+        )
 
     def _on_push_plan(self, sender: str, msg: control.PushPlan) -> None:
         """A prefill rank's answer to our registration: only the ranks we registered with answer, once each,
@@ -451,7 +473,11 @@ class WorkerHalf:
                 self._send_controls(
                     link.ep,
                     [
-                        (link.addresses[r], control.encode(control.PushPlan(d_req=d_req, writes=r in writers)))
+                        (
+                            link.addresses[r],
+                            control.encode(control.PushPlan(d_req=d_req, writes=r in writers)),
+                            worker_name(link.engine_id, r),
+                        )
                         for r in link.targets
                     ],
                 )
