@@ -52,8 +52,10 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "transfer_timeout_s": ("HYBRID_KV_TRANSFER_TIMEOUT_S", 60.0, "deadline of one request's transfers"),
     "lease_s": (
         "HYBRID_KV_LEASE_S",
-        30.0,
-        "how long a prefill engine keeps a finished request's blocks for its decode engine before freeing them",
+        120.0,
+        "how long a prefill engine keeps a finished request's blocks for its decode engine before freeing them "
+        "(a release frees them at once; the lease must outlast the decode's queueing: vLLM's NixlConnector "
+        "waits 480 s)",
     ),
     "lease_max_extension_s": (
         "HYBRID_KV_LEASE_MAX_EXTENSION_S",
