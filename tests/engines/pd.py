@@ -27,10 +27,16 @@ from engine import HKV_CONNECTOR, NIXL_CONNECTOR, Engine, EngineError, free_port
 START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "1500"))
 WARMUP_TIMEOUT_S = 900.0
 
+LEASE_S = 600.0
+"""The prefill's lease in these deployments (as long as vLLM's NixlConnector waits, 480 s, and more): on a
+loaded 2-core machine a decode worker's first request after warm-up was seen to wait over 120 s before its
+read (its worker busy in the previous step), and these tests are about tokens, not lease expiry (the
+in-process tests cover that)."""
+
 CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # name -> (kv_transfer_config, kv_connector_extra_config)
-    "hybrid-kv-pull": (HKV_CONNECTOR, {"mode": "pull"}),
-    "hybrid-kv-push": (HKV_CONNECTOR, {"mode": "push"}),
+    "hybrid-kv-pull": (HKV_CONNECTOR, {"mode": "pull", "lease_s": LEASE_S}),
+    "hybrid-kv-push": (HKV_CONNECTOR, {"mode": "push", "lease_s": LEASE_S}),
     "nixl": (NIXL_CONNECTOR, {}),
 }
 
