@@ -64,9 +64,11 @@ def _busy() -> None:
         pass
 
 
-def _gil_holding_worker(mode: str, hold_s: float, out: Any) -> None:
+def _gil_holding_worker(mode: str, hold_s: float, out: Any, holding: Any) -> None:
     """A worker whose main thread keeps the GIL for ``hold_s`` at a time (native code that never releases it,
-    as a spin extension or a long C call does), bound to one core, serving its side channel as ``mode``."""
+    as a spin extension or a long C call does), bound to one core, serving its side channel as ``mode``. Right
+    before each hold it writes a byte to ``holding`` (a pipe: a synchronous write, no helper thread), so the
+    test can ask while a hold has just begun."""
     buf = pattern(31)
     ep = Endpoint("W", registration(buf.ctypes.data), {}, metadata_provider={0: payload_for(buf)}, side_channel=mode)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -80,13 +82,15 @@ def _gil_holding_worker(mode: str, hold_s: float, out: Any) -> None:
     n += 2
     out.put(ep.address)
     while True:
+        holding.send_bytes(b"h")
         CATASTROPHIC.match("a" * n + "b")
 
 
 def test_side_channel_answers_while_the_worker_holds_the_gil() -> None:
-    """The starvation reproduced: with the worker's main thread holding the GIL for seconds at a time (and busy
-    processes on every core), a side-channel thread in the worker cannot answer within the deadline; the side
-    channel in its own process answers every request within it."""
+    """With the worker's main thread holding the GIL for seconds at a time (and busy processes on every core),
+    the side channel in its own process answers every request asked right after a hold began within the
+    deadline. (A side-channel thread in the same worker mostly cannot; how often depends on where the hold
+    boundaries fall, so that comparison is measured in benches/side_channel_starvation.py, not asserted.)"""
     ctx = mp.get_context("spawn")
     busy = [ctx.Process(target=_busy, daemon=True) for _ in range(len(os.sched_getaffinity(0)))]
     for b in busy:
@@ -94,14 +98,19 @@ def test_side_channel_answers_while_the_worker_holds_the_gil() -> None:
     zctx: Any = zmq.Context()
     try:
         latencies: dict[str, list[float]] = {}
-        for mode in ("thread", "process"):
+        for mode in ("process",):
             q = ctx.Queue()
-            w = ctx.Process(target=_gil_holding_worker, args=(mode, 8.0, q), daemon=True)
+            holding, holds = ctx.Pipe(duplex=False)
+            w = ctx.Process(target=_gil_holding_worker, args=(mode, 8.0, q, holds), daemon=True)
             w.start()
             try:
                 address = q.get(timeout=120)
                 lat = []
-                for _ in range(4 if mode == "process" else 1):
+                for _ in range(4):
+                    while holding.poll(0):  # only a hold that has just begun (at least 8 s, 2 s when loaded)
+                        holding.recv_bytes()
+                    assert holding.poll(120), "the worker never started a hold"
+                    holding.recv_bytes()
                     t0 = time.monotonic()
                     try:
                         reply = fetch_reply(zctx, address, 0, "client", 3.0)
@@ -115,7 +124,6 @@ def test_side_channel_answers_while_the_worker_holds_the_gil() -> None:
             finally:
                 w.kill()
                 w.join(10)
-        assert latencies["thread"] == [float("inf")], latencies  # starved: no reply within 3 s
         assert all(t < 3.0 for t in latencies["process"]), latencies
     finally:
         zctx.destroy(linger=0)
