@@ -31,12 +31,16 @@ LEASE_S = 600.0
 """The prefill's lease in these deployments (as long as vLLM's NixlConnector waits, 480 s, and more): on a
 loaded 2-core machine a decode worker's first request after warm-up was seen to wait over 120 s before its
 read (its worker busy in the previous step), and these tests are about tokens, not lease expiry (the
-in-process tests cover that)."""
+in-process tests cover that). The transfer deadlines are as long: the same stalled worker does not poll NIXL,
+whose transfers progress only when polled, so a 60 s deadline failed a READ that had not been polled."""
 
 CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # name -> (kv_transfer_config, kv_connector_extra_config)
-    "hybrid-kv-pull": (HKV_CONNECTOR, {"mode": "pull", "lease_s": LEASE_S}),
-    "hybrid-kv-push": (HKV_CONNECTOR, {"mode": "push", "lease_s": LEASE_S}),
+    "hybrid-kv-pull": (HKV_CONNECTOR, {"mode": "pull", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S}),
+    "hybrid-kv-push": (
+        HKV_CONNECTOR,
+        {"mode": "push", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S, "push_registration_timeout_s": LEASE_S},
+    ),
     "nixl": (NIXL_CONNECTOR, {}),
 }
 
