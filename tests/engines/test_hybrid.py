@@ -1,5 +1,5 @@
-"""Qwen3-Next-shaped hybrid (Gated DeltaNet linear attention + full attention) in real engines: hybrid-kv pull
-and vLLM's NixlConnector.
+"""Qwen3-Next-shaped hybrid (Gated DeltaNet linear attention + full attention) in real engines: hybrid-kv pull and
+push, and vLLM's NixlConnector.
 
 vLLM gives this model transfer groups with different block sizes (a 640-token attention block, so that an
 attention page is at least a mamba page, and a 1024-token mamba block: one whole state per request), which
@@ -29,13 +29,25 @@ LENGTHS = [CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK + 1]
 MAX_TOKENS = 12
 LOGPROB_TOL = 1e-4
 ENGINE_ARGS = ["--no-enable-prefix-caching"]
+ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+"""SSM conv states in the DS layout, which hybrid-kv (and vLLM's NixlConnector) transfer. vLLM's CPU platform
+picks SD on CPUs with AVX512-BF16 unless the connector is named NixlConnector, and it decides in the API server
+before any connector module is imported, so operators set it (the connector refuses an SD engine at start-up with
+an error naming this variable)."""
 PREFILL_ARGS = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
 
 
-@pytest.fixture(scope="module", params=connectors("hybrid-kv-pull", "nixl"))
+@pytest.fixture(scope="module", params=connectors("hybrid-kv-pull", "hybrid-kv-push", "nixl"))
 def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> Iterator[PdPair]:
     yield from pair_fixture_body(
-        MODEL, request.param, models_root, logs_root, RUNNING, extra_args=ENGINE_ARGS, prefill_args=PREFILL_ARGS
+        MODEL,
+        request.param,
+        models_root,
+        logs_root,
+        RUNNING,
+        extra_args=ENGINE_ARGS,
+        prefill_args=PREFILL_ARGS,
+        env=ENGINE_ENV,
     )
 
 

@@ -115,14 +115,15 @@ CONV_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
 
 
 def prefer_ds_conv_layout() -> None:
-    """Ask vLLM for the DS conv-state layout (``(channels, conv rows)`` per state) unless the user chose one.
+    """Ask vLLM for the DS conv-state layout (``(channels, conv rows)`` per state) unless it is already chosen.
 
     hybrid-kv's byte layout (docs/byte-layouts.md) has a channel range of a conv sub-projection contiguous, which
-    only DS gives; vLLM's default is SD (``(conv rows, channels)``), and its CPU platform selects DS only for
-    connectors named ``NixlConnector``. vLLM imports the connector while it builds its config (before it starts
-    the engine processes, which inherit the environment), so setting the variable here, as vLLM's platform does
-    for NIXL, makes every engine process create DS caches. ``check_conv_layout`` refuses an engine where it came
-    too late or the user chose SD.
+    only DS gives. Setting the variable when this module is imported reaches the engine processes that import the
+    connector before they create their caches, which is enough where nothing chose a layout earlier. It is not
+    enough on vLLM's CPU platform with AVX512-BF16: its config check sets SD in the API server process, before any
+    connector module is imported, for every connector not named ``NixlConnector`` (``platforms/cpu.py``), and the
+    engine processes inherit it. So operators set ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` for models with SSM state
+    (README), and ``check_conv_layout`` refuses an SD engine at start-up with an error naming the variable.
     """
     os.environ.setdefault(CONV_LAYOUT_ENV, "DS")
 
