@@ -92,6 +92,7 @@ class PdPair:
     connector: str
     prefill: Engine
     decode: Engine
+    decode_tp: int = 1
     results: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -143,7 +144,7 @@ class PdPair:
 
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda e: e.complete(prompt(0, 8), 2, timeout_s=WARMUP_TIMEOUT_S), engines))
-        pair = cls(model_name, connector, prefill, decode)
+        pair = cls(model_name, connector, prefill, decode, decode_tp)
         from conftest import RESULTS
 
         for e in engines:
@@ -211,7 +212,11 @@ def pair_fixture_body(
 
 
 def compare_tokens(
-    pair: PdPair, results: dict[str, list[dict[str, Any]]], lengths: list[int], max_tokens: int, seed: int = 10
+    pair: PdPair,
+    results: dict[str, list[dict[str, Any]]],
+    lengths: list[int],
+    max_tokens: int,
+    seed: int = 10,
 ) -> list[tuple[int, Any, Reference]]:
     """Route each prompt (lengths ``lengths``) through the pair and compute its single-engine references;
     records one row per prompt in ``results["tokens"]``."""
@@ -227,6 +232,7 @@ def compare_tokens(
             {
                 "model": pair.model_name,
                 "connector": pair.connector,
+                "decode_tp": pair.decode_tp,
                 "prompt_len": n,
                 "decode_tokens": out.tokens,
                 "fresh_ref_tokens": ref.fresh_tokens,
@@ -242,3 +248,33 @@ def compare_tokens(
             }
         )
     return rows
+
+
+def delivered_under_load(
+    pair: PdPair,
+    prompts: list[list[int]],
+    max_tokens: int,
+    expected: list[list[int]],
+    serial_prefill: bool = False,
+) -> tuple[int, list[str]]:
+    """Route ``prompts`` concurrently while busy processes saturate every core; records the row in
+    ``RESULTS["load"]`` and returns ``(delivered, errors)``, delivered meaning answered with ``expected``'s
+    tokens."""
+    from conftest import RESULTS
+    from proxy import route_all
+
+    with cpu_load() as n_busy:
+        outs = route_all(pair.prefill, pair.decode, prompts, max_tokens, 240.0, serial_prefill)
+    delivered = sum(1 for o, want in zip(outs, expected, strict=True) if o.error is None and o.tokens == want)
+    errors = [o.error for o in outs if o.error]
+    RESULTS.setdefault("load", []).append(
+        {
+            "model": pair.model_name,
+            "connector": pair.connector,
+            "delivered": delivered,
+            "total": len(prompts),
+            "busy_procs": n_busy,
+            "errors": errors,
+        }
+    )
+    return delivered, errors

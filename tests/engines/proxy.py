@@ -8,8 +8,11 @@ original request, to the decode engine, whose response is the answer. Both reque
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +39,19 @@ class Routed:
     error: str | None = None
 
 
-def route(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, timeout_s: float = 180.0) -> Routed:
-    """One request through prefill then decode; raises ``EngineError`` when an engine refuses it."""
+def route(
+    prefill: Engine,
+    decode: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float = 180.0,
+    prefill_lock: AbstractContextManager[Any] | None = None,
+) -> Routed:
+    """One request through prefill then decode (the prefill step inside ``prefill_lock`` when given); raises
+    ``EngineError`` when an engine refuses it."""
     rid = f"pd-{uuid.uuid4().hex[:12]}"
-    first = prefill.complete(prompt, 1, dict(PREFILL_PARAMS), timeout_s=timeout_s, request_id=rid)
+    with prefill_lock or contextlib.nullcontext():
+        first = prefill.complete(prompt, 1, dict(PREFILL_PARAMS), timeout_s=timeout_s, request_id=rid)
     params = first.get("kv_transfer_params")
     if not isinstance(params, dict):
         raise EngineError(f"prefill {prefill.name} returned no kv_transfer_params: {first}")
@@ -48,13 +60,21 @@ def route(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, t
 
 
 def route_all(
-    prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int, timeout_s: float = 180.0
+    prefill: Engine,
+    decode: Engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    timeout_s: float = 180.0,
+    serial_prefill: bool = False,
 ) -> list[Routed]:
-    """Every prompt routed concurrently (one client thread per request, as concurrent users); errors kept."""
+    """Every prompt routed concurrently (one client thread per request, as concurrent users); errors kept.
+    ``serial_prefill``: the prefill requests go one at a time (the decodes stay concurrent), so each prompt's
+    prefill is split into chunks as it would be alone (what a single-engine reference of an SSM model needs)."""
+    lock = threading.Lock() if serial_prefill else None
 
     def one(p: list[int]) -> Routed:
         try:
-            return route(prefill, decode, p, max_tokens, timeout_s)
+            return route(prefill, decode, p, max_tokens, timeout_s, lock)
         except (EngineError, OSError) as e:
             return Routed(p, None, [], [], error=f"{type(e).__name__}: {e}"[:600])
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import RESULTS, RUNNING
 from engine import logprobs, tokens
-from pd import PdPair, connectors, cpu_load, max_delta, pair_fixture_body, prompt
-from proxy import route, route_all
+from pd import PdPair, compare_tokens, connectors, delivered_under_load, max_delta, pair_fixture_body, prompt
 
 MODEL = "gqa"
 BLOCK = 128  # vLLM's CPU attention block (tokens)
@@ -42,27 +41,7 @@ def test_weights_make_kv_matter(pair: PdPair) -> None:
 
 
 def test_tokens_equal_single_engine(pair: PdPair) -> None:
-    rows = []
-    for i, n in enumerate(LENGTHS):
-        p = prompt(10 + i, n)
-        ref = pair.reference(p, MAX_TOKENS)
-        out = route(pair.prefill, pair.decode, p, MAX_TOKENS)
-        rows.append((n, out, ref))
-    table = RESULTS.setdefault("tokens", [])
-    for n, out, ref in rows:
-        table.append(
-            {
-                "model": MODEL,
-                "connector": pair.connector,
-                "prompt_len": n,
-                "equal_cached_ref": out.tokens == ref.cached_tokens,
-                "equal_fresh_ref": out.tokens == ref.fresh_tokens,
-                "max_logprob_delta": max_delta(out.logprobs, ref.cached_logprobs)
-                if len(out.logprobs) == len(ref.cached_logprobs)
-                else None,
-            }
-        )
-    for n, out, ref in rows:
+    for n, out, ref in compare_tokens(pair, RESULTS, LENGTHS, MAX_TOKENS):
         assert out.tokens == ref.cached_tokens, f"prompt of {n}: decode {out.tokens} != single {ref.cached_tokens}"
         assert max_delta(out.logprobs, ref.cached_logprobs) <= LOGPROB_TOL
         # GQA: the cached-context path computes what a fresh prefill does (documented by asserting it)
@@ -84,21 +63,9 @@ def test_decode_reads_the_prompt_from_the_prefill(pair: PdPair) -> None:
 def test_delivers_everything_under_load(pair: PdPair) -> None:
     """Every request delivered (and right) while busy processes saturate every core."""
     prompts = [prompt(200 + i, BLOCK + 1 + 7 * i) for i in range(LOAD_REQUESTS)]
-    refs = [pair.reference(p, MAX_TOKENS) for p in prompts]
-    with cpu_load() as n_busy:
-        outs = route_all(pair.prefill, pair.decode, prompts, MAX_TOKENS, timeout_s=240.0)
-    delivered = sum(1 for o, r in zip(outs, refs, strict=True) if o.error is None and o.tokens == r.cached_tokens)
-    RESULTS.setdefault("load", []).append(
-        {
-            "model": MODEL,
-            "connector": pair.connector,
-            "delivered": delivered,
-            "total": len(prompts),
-            "busy_procs": n_busy,
-            "errors": [o.error for o in outs if o.error],
-        }
-    )
-    assert delivered == len(prompts), [o.error for o in outs if o.error]
+    refs = [pair.reference(p, MAX_TOKENS).cached_tokens for p in prompts]
+    delivered, errors = delivered_under_load(pair, prompts, MAX_TOKENS, refs)
+    assert delivered == len(prompts), errors
 
 
 VLLM_LINE = re.compile(r"^\((EngineCore|Worker)[^)]* pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[\w+\.py:\d+\] hybrid-kv ")

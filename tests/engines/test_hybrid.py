@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 from conftest import RESULTS, RUNNING
-from pd import PdPair, compare_tokens, connectors, max_delta, pair_fixture_body
+from pd import PdPair, compare_tokens, connectors, delivered_under_load, max_delta, pair_fixture_body, prompt
 
 MODEL = "qwen3_next"
 CHUNK = 128
 LENGTHS = [CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK + 1]
 MAX_TOKENS = 12
 LOGPROB_TOL = 1e-4
+LOAD_REQUESTS = 6
 ENGINE_ARGS = ["--no-enable-prefix-caching"]
 ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 """SSM conv states in the DS layout, which hybrid-kv (and vLLM's NixlConnector) transfer. vLLM's CPU platform
@@ -63,3 +64,12 @@ def test_tokens_equal_single_engine_computing_the_same_split(pair: PdPair) -> No
     for n, out, ref in rows:
         assert out.tokens == ref.fresh_tokens, f"prompt of {n}: decode {out.tokens} != single {ref.fresh_tokens}"
         assert max_delta(out.logprobs, ref.fresh_logprobs) <= LOGPROB_TOL
+
+
+def test_delivers_everything_under_load(pair: PdPair) -> None:
+    """Every request delivered (and right) while busy processes saturate every core. The prefills go one at a
+    time, so each prompt is chunked as in its single-engine reference; the decodes run concurrently."""
+    prompts = [prompt(300 + i, CHUNK * (1 + i % 3) + 1) for i in range(LOAD_REQUESTS)]
+    refs = [pair.reference(p, MAX_TOKENS).fresh_tokens for p in prompts]
+    delivered, errors = delivered_under_load(pair, prompts, MAX_TOKENS, refs, serial_prefill=True)
+    assert delivered == len(prompts), errors
