@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple
 
@@ -34,7 +34,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._core import MirrorPlan, RegionTable
+from ._core import MirrorPlan, PeerPlan, RegionTable, decode_meta
+from .transport.requests import PeerKey, Transfer
 
 __all__ = [
     "ALGORITHMS",
@@ -47,6 +48,10 @@ __all__ = [
     "RankPairDigest",
     "VerifyPolicy",
     "algorithm",
+    "answer",
+    "compare",
+    "initiator_digests",
+    "payload_mem_type",
     "decode_message",
     "encode_message",
     "mismatch_reason",
@@ -258,6 +263,50 @@ class MirrorCache:
         return plan
 
 
+# ---------------------------------------------------------------------------------------------- both sides
+
+
+def initiator_digests(
+    digester: Digester,
+    plan: PeerPlan,
+    transfers: Sequence[Transfer],
+    rank_of: Callable[[PeerKey], int],
+    algo: str,
+) -> dict[PeerKey, RankPairDigest]:
+    """The initiator's digest of each peer's moves in ``transfers`` (its side: the local column), resolved
+    through ``plan`` (one binding call per transfer, one per peer for the digest)."""
+    by_peer: dict[PeerKey, list[U64]] = {}
+    for t in transfers:
+        moves = plan.resolve(t.local_key, rank_of(t.peer), t.local_ids, t.remote_ids)
+        by_peer.setdefault(t.peer, []).append(moves)
+    return {peer: digester.digest(np.concatenate(ms), "local", algo) for peer, ms in by_peer.items()}
+
+
+def compare(mine: RankPairDigest, theirs: int | None, prefill_rank: int, decode_rank: int) -> str | None:
+    """``None`` when the peer's digest equals ours, else the failure reason (a missing digest is a mismatch)."""
+    if theirs is not None and theirs == mine.digest:
+        return None
+    reason = mismatch_reason(prefill_rank, decode_rank, mine.bytes, mine.moves)
+    return reason if theirs is not None else f"{reason} (the peer sent no digest)"
+
+
+def answer(cache: MirrorCache, digester: Digester, ask: DigestAsk, own_ids: Sequence[Sequence[int]]) -> DigestAnswer:
+    """The passive rank's answer to ``ask`` (its digest of its side of the request's moves with the asker, the
+    moves rebuilt from the asker's payload and ids and ``own_ids``, this rank's ids for the request); never
+    raises: a failure is the answer's ``error``."""
+    try:
+        mirror = cache.get(ask.payload, ask.coalesce)
+        d = digester.digest(mirror.moves(ask.ids, own_ids), "remote", ask.algo)
+        return DigestAnswer(ask.req, to_hex(d.digest), d.bytes, d.moves)
+    except Exception as exc:  # noqa: BLE001 - untrusted input: the asker learns why, this rank goes on
+        return DigestAnswer(ask.req, "", 0, 0, error=f"{type(exc).__name__}: {exc}"[:512])
+
+
+def payload_mem_type(payload: bytes) -> str:
+    """The memory type (``DRAM``/``VRAM``) a handshake payload advertises (decoded as untrusted bytes)."""
+    return str(decode_meta(payload)["mem_type"])
+
+
 # ---------------------------------------------------------------------------------------------- pull exchange
 
 MAX_PAYLOAD_BYTES = 512 << 10
@@ -283,7 +332,8 @@ class DigestAsk(msgspec.Struct, tag="digest_ask", tag_field="hkv_verify", frozen
     """Pull: the decode asks a prefill rank for its digest of request ``req`` before posting its READ.
 
     ``ids`` are the decode's (initiator's) block ids; the prefill uses its own ids for ``req``. ``payload`` is
-    the decode rank's handshake payload and ``coalesce`` its setting (the prefill rebuilds its plan from them).
+    the decode rank's handshake payload and ``coalesce`` its setting (the prefill rebuilds its plan from them);
+    the answer goes to the side channel at ``reply_to``, which must be the asking endpoint's.
     """
 
     req: Rid
@@ -291,6 +341,7 @@ class DigestAsk(msgspec.Struct, tag="digest_ask", tag_field="hkv_verify", frozen
     payload: Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
     coalesce: bool
     algo: Algo
+    reply_to: Annotated[str, msgspec.Meta(pattern="^tcp://[^\\s]{1,300}$")]
 
 
 class DigestAnswer(
