@@ -52,6 +52,7 @@ __all__ = [
     "compare",
     "initiator_digests",
     "payload_mem_type",
+    "peer_digest",
     "decode_message",
     "encode_message",
     "mismatch_reason",
@@ -290,16 +291,31 @@ def compare(mine: RankPairDigest, theirs: int | None, prefill_rank: int, decode_
     return reason if theirs is not None else f"{reason} (the peer sent no digest)"
 
 
-def answer(cache: MirrorCache, digester: Digester, ask: DigestAsk, own_ids: Sequence[Sequence[int]]) -> DigestAnswer:
-    """The passive rank's answer to ``ask`` (its digest of its side of the request's moves with the asker, the
-    moves rebuilt from the asker's payload and ids and ``own_ids``, this rank's ids for the request); never
-    raises: a failure is the answer's ``error``."""
+def peer_digest(
+    cache: MirrorCache,
+    digester: Digester,
+    initiator_payload: bytes,
+    coalesce: bool,
+    initiator_ids: Sequence[Sequence[int]],
+    own_ids: Sequence[Sequence[int]],
+    algo: str,
+) -> tuple[str, int, int, str]:
+    """The passive rank's digest of its side of one request's moves with an initiator, the moves rebuilt from
+    the initiator's payload and ids and ``own_ids`` (this rank's ids for the request, never the asker's word):
+    ``(hex digest, bytes, moves, "")``, or ``("", 0, 0, why)``; never raises (the inputs are untrusted)."""
     try:
-        mirror = cache.get(ask.payload, ask.coalesce)
-        d = digester.digest(mirror.moves(ask.ids, own_ids), "remote", ask.algo)
-        return DigestAnswer(ask.req, to_hex(d.digest), d.bytes, d.moves)
+        mirror = cache.get(initiator_payload, coalesce)
+        d = digester.digest(mirror.moves(initiator_ids, own_ids), "remote", algo)
+        return to_hex(d.digest), d.bytes, d.moves, ""
     except Exception as exc:  # noqa: BLE001 - untrusted input: the asker learns why, this rank goes on
-        return DigestAnswer(ask.req, "", 0, 0, error=f"{type(exc).__name__}: {exc}"[:512])
+        return "", 0, 0, f"{type(exc).__name__}: {exc}"[:512]
+
+
+def answer(cache: MirrorCache, digester: Digester, ask: DigestAsk, own_ids: Sequence[Sequence[int]]) -> DigestAnswer:
+    """The passive rank's answer to ``ask`` (``peer_digest``); never raises: a failure is the answer's
+    ``error``."""
+    digest, nbytes, moves, error = peer_digest(cache, digester, ask.payload, ask.coalesce, ask.ids, own_ids, ask.algo)
+    return DigestAnswer(ask.req, digest, nbytes, moves, error)
 
 
 def payload_mem_type(payload: bytes) -> str:

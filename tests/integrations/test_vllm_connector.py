@@ -21,10 +21,13 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 CONTENT_TOKENS = 2048
 
 
-def _transfer(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int]) -> Any:
+def _transfer(
+    model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int], verify: str = "off"
+) -> Any:
     p_port, d_port = side_channel_ports(2)
-    p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port))
-    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port))
+    extra = (("verify", verify),)
+    p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port, extra=extra))
+    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port, extra=extra))
     try:
         reqs = []
         for i, n in enumerate(lengths):
@@ -76,33 +79,49 @@ def _transfer(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode
 
 
 def _stats(engine: Engine) -> dict[str, Any]:
-    out: dict[str, Any] = {"bytes": [], "descriptors": [], "num_failed_transfers": 0}
+    counters = ("num_failed_transfers", "num_verified_transfers", "num_digest_mismatches")
+    out: dict[str, Any] = {"bytes": [], "descriptors": [], **{k: 0 for k in counters}}
     for s in engine.stats:
         out["bytes"] += s["bytes"]
         out["descriptors"] += s["descriptors"]
-        out["num_failed_transfers"] += s["num_failed_transfers"]
+        for k in counters:
+            out[k] += s[k]
     return out
 
 
+def _assert_verified(d: Engine, verify: str, loads: int) -> None:
+    """With ``verify=all`` every decode rank compared the digests of each of its loads, none differing."""
+    s = _stats(d)
+    assert s["num_digest_mismatches"] == 0 and s["num_failed_transfers"] == 0
+    assert s["num_verified_transfers"] == (loads if verify == "all" else 0)
+
+
+@pytest.mark.parametrize("verify", ["off", "all"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_kimi_linear_pull(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> None:
-    """The seed case: hybrid MLA + KDA in shared HMA tensors, heterogeneous TP both ways, decode READs."""
-    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "pull", [300, 517, 64])
+def test_kimi_linear_pull(model_dirs: dict[str, str], p_tp: int, d_tp: int, verify: str) -> None:
+    """The seed case: hybrid MLA + KDA in shared HMA tensors, heterogeneous TP both ways, decode READs; with
+    ``verify=all`` each READ is also checked end to end (the prefill's digest, asked first, against the bytes
+    that landed)."""
+    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "pull", [300, 517, 64], verify)
     s = _stats(d)
     assert len(s["bytes"]) == 3 * d_tp and all(b > 0 for b in s["bytes"])
-    assert s["num_failed_transfers"] == 0
+    _assert_verified(d, verify, 3 * d_tp)
 
 
 @pytest.mark.parametrize(("model", "p_tp", "d_tp"), [("gqa", 1, 2), ("mla", 2, 1)])
 def test_gqa_and_pure_mla_pull(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int) -> None:
-    """A GQA model (heads split across decode ranks) and a pure-MLA model (replicated latents)."""
-    p, d = _transfer(model_dirs, model, p_tp, d_tp, "pull", [300, 517])
+    """A GQA model (heads split across decode ranks) and a pure-MLA model (replicated latents), verified."""
+    p, d = _transfer(model_dirs, model, p_tp, d_tp, "pull", [300, 517], "all")
     s = _stats(d)
-    assert s["bytes"] and all(b > 0 for b in s["bytes"]) and s["num_failed_transfers"] == 0
+    assert s["bytes"] and all(b > 0 for b in s["bytes"])
+    _assert_verified(d, "all", 2 * d_tp)
 
 
+@pytest.mark.parametrize("verify", ["off", "all"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_kimi_linear_push(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> None:
-    """The seed case in push mode: prefill WRITEs into the decode ranks."""
-    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "push", [300, 517, 64])
+def test_kimi_linear_push(model_dirs: dict[str, str], p_tp: int, d_tp: int, verify: str) -> None:
+    """The seed case in push mode: prefill WRITEs into the decode ranks (verified: the writers' digests ride in
+    their done-notices)."""
+    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "push", [300, 517, 64], verify)
     assert _stats(p)["num_failed_transfers"] == 0
+    _assert_verified(d, verify, 3 * d_tp)

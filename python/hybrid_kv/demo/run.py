@@ -55,9 +55,18 @@ class DemoConfig:
     """How rank processes start: ``spawn``, or ``forkserver`` (one server imports torch once and forks every
     rank from it: much faster startup when many ranks start on few cores)."""
 
+    verify: str = "all"
+    """Which requests are verified end to end (``hybrid_kv.verify``): ``off``, ``all`` or ``sampled:N``."""
+
     def validate(self) -> tuple[Side, Side]:
         """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
+        from ..verify import VerifyPolicy
+
         preset = get_preset(self.preset)
+        try:
+            VerifyPolicy.parse(self.verify)
+        except ValueError as exc:
+            raise LayoutError(str(exc)) from None
         if self.mode not in ("pull", "push"):
             raise LayoutError(f"mode must be 'pull' or 'push', got {self.mode!r}")
         if self.corrupt_at not in ("received", "hole", "prefill"):
@@ -113,6 +122,12 @@ class DemoResult:
     """Wall time of the whole run: the phases plus ``other_s``."""
     problems: list[str] = field(default_factory=list)
     verified: bool = False
+    verify: str = "off"
+    """The ``verify`` setting the transfers ran with (end-to-end digests, ``hybrid_kv.verify``)."""
+    digested_requests: int = 0
+    """Requests whose digests were compared on the decode ranks (each decode rank's count, summed)."""
+    digest_s: float = 0.0
+    """Time the slowest checking rank spent digesting (pull: also waiting for the prefill's answers)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,7 +208,17 @@ class _Ranks:
             other_kb = cfg.decode_block_size if role == "prefill" else cfg.prefill_block_size
             for rank in range(side.tp):
                 spec = WorkerSpec(
-                    role, rank, cfg.mode, cfg.preset, side.tp, other.tp, side.num_blocks, kb, cfg.seed, cfg.timeout_s
+                    role,
+                    rank,
+                    cfg.mode,
+                    cfg.preset,
+                    side.tp,
+                    other.tp,
+                    side.num_blocks,
+                    kb,
+                    cfg.seed,
+                    cfg.timeout_s,
+                    cfg.verify,
                 )
                 inbox = ctx.Queue()
                 proc = ctx.Process(
@@ -294,6 +319,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         decode={"tp": decode.tp, "num_blocks": decode.num_blocks, **decode.geometry.to_dict()},
         requests=len(requests),
         tokens=[r.tokens for r in requests],
+        verify=cfg.verify,
     )
     active = "decode" if cfg.mode == "pull" else "prefill"
     passive = "prefill" if active == "decode" else "decode"
@@ -327,10 +353,15 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         )
         if cfg.mode == "push":
             targets = ranks.collect("targets", ranks.keys("prefill"))
+            payloads = {rank: ready[(role, rank)][3] for role, rank in ranks.keys("prefill")}
             for d in range(decode.tp):
                 senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
-                ranks.send([("decode", d)], "expect", senders)
+                ranks.send([("decode", d)], "expect", senders, payloads)
         moved = ranks.collect("transferred", ranks.keys(active))
+        for (role, _), (count, secs) in ranks.collect("digests", ranks.keys()).items():
+            if role == "decode":  # the checking side in both modes
+                result.digested_requests += count
+                result.digest_s = max(result.digest_s, secs)
         for plan_s, transfer_s, ids, posted, nbytes, _n, xfers in moved.values():
             result.plan_s += plan_s
             result.transfer_s = max(result.transfer_s, transfer_s)
