@@ -474,6 +474,10 @@ class WorkerHalf:
         del self.verify_wait[msg.d_req]
         req, link = wait["req"], wait["link"]
         try:
+            missing = {r: err for r, (d, err) in wait["answers"].items() if d is None}
+            if missing:  # nothing to compare with: fail now instead of reading
+                self.stats.count("num_digest_mismatches")
+                raise TransferError(f"no digest from prefill ranks {missing} (nothing read)")
             if _lease_over(req.lease_expires_at):
                 raise TransferError(f"the prefill engine's lease on {req.remote_request_id!r} expired before the read")
             check = self._pull_check(link, wait["transfers"], wait["answers"], wait["algo"])
