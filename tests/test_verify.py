@@ -222,7 +222,7 @@ def test_verify_policy() -> None:
 
 
 def test_digest_messages_are_typed_and_bounded() -> None:
-    ask = DigestAsk(req="r-1", ids=[[1, 2], [3]], payload=b"p", coalesce=True, algo="xxh3")
+    ask = DigestAsk(req="r-1", ids=[[1, 2], [3]], payload=b"p", coalesce=True, algo="xxh3", reply_to="tcp://h:1")
     assert decode_message(encode_message(ask)) == ask
     ans = DigestAnswer(req="r-1", digest=f"{2**64 - 1:016x}", bytes=10, moves=2)
     assert decode_message(encode_message(ans)) == ans
@@ -232,6 +232,17 @@ def test_digest_messages_are_typed_and_bounded() -> None:
     bad = [
         b"\x00",
         raw({"hkv_verify": "digest_ask", "req": "r", "ids": [], "payload": b"", "coalesce": True, "algo": "md5"}),
+        raw(
+            {
+                "hkv_verify": "digest_ask",
+                "req": "r",
+                "ids": [],
+                "payload": b"",
+                "coalesce": True,
+                "algo": "xxh3",
+                "reply_to": "udp://h:1",
+            }
+        ),
         raw({"hkv_verify": "digest_answer", "req": "r", "digest": "1" * 17, "bytes": 0, "moves": 0}),
         raw({"hkv_verify": "digest_answer", "req": "r", "digest": "A" * 16, "bytes": 0, "moves": 0}),
         raw({"hkv_verify": "digest_answer", "req": "r", "digest": "", "bytes": 0, "moves": 0, "extra": 1}),
