@@ -90,6 +90,24 @@ def test_verification_covers_untouched_bytes(where: str, who: str) -> None:
     assert problem.startswith(f"{who}: 1 bytes differ in tensor 0; first at logical block {block},"), problem
 
 
+@pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 2, 1), ("push", 1, 2)])
+def test_verify_fails_only_the_request_whose_bytes_changed_after_landing(mode: str, p_tp: int, d_tp: int) -> None:
+    """#22: decode rank 0 flips one byte of the first request's first block after it landed and before its digest
+    (pull: the READ is done; push: the writers' notices arrived): that request alone fails with the mismatch
+    named, every other request of every decode rank is verified and byte-exact."""
+    res, prefill, decode = demo(p_tp, d_tp, mode, requests=3, corrupt=True, corrupt_at="landed")
+    assert not res.verified and res.digested_requests == decode.tp * 3
+    (mismatch,) = res.digest_mismatches
+    assert re.fullmatch(
+        r"decode rank 0: request 'req-0' failed: digest mismatch: \d+ bytes in \d+ moves of rank pair \(0, 0\)",
+        mismatch,
+    ), mismatch
+    first = make_requests(DemoConfig(**res.config), prefill, decode)[0]
+    block = first.decode_ids[0][0]
+    assert res.problems == [mismatch, res.problems[1]], res.problems
+    assert res.problems[1].startswith(f"decode rank 0: 1 bytes differ in tensor 0; first at logical block {block},")
+
+
 def test_handshake_targets_come_from_the_planner() -> None:
     assert handshake_target_ranks(1, 2, 4) == [2, 3]
     assert handshake_target_ranks(3, 4, 2) == [1]

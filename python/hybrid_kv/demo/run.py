@@ -50,7 +50,8 @@ class DemoConfig:
     """Fault injection for tests: rank 0 of one side flips one byte before verifying (where: ``corrupt_at``)."""
     corrupt_at: str = "received"
     """``received``: a byte decode received; ``hole``: a decode byte no request names; ``prefill``: a prefill
-    byte (which must be unchanged after the transfer)."""
+    byte (which must be unchanged after the transfer); ``landed``: a byte of the first request's first decode
+    block, flipped after its bytes landed and before decode rank 0 digests them (``verify`` must catch it)."""
     start_method: str = "spawn"
     """How rank processes start: ``spawn``, or ``forkserver`` (one server imports torch once and forks every
     rank from it: much faster startup when many ranks start on few cores)."""
@@ -69,8 +70,8 @@ class DemoConfig:
             raise LayoutError(str(exc)) from None
         if self.mode not in ("pull", "push"):
             raise LayoutError(f"mode must be 'pull' or 'push', got {self.mode!r}")
-        if self.corrupt_at not in ("received", "hole", "prefill"):
-            raise LayoutError(f"corrupt_at must be 'received', 'hole' or 'prefill', got {self.corrupt_at!r}")
+        if self.corrupt_at not in ("received", "hole", "prefill", "landed"):
+            raise LayoutError(f"corrupt_at must be 'received', 'hole', 'prefill' or 'landed', got {self.corrupt_at!r}")
         if self.start_method not in ("spawn", "forkserver"):
             raise LayoutError(f"start method must be 'spawn' or 'forkserver', got {self.start_method!r}")
         if self.requests < 1 or self.tokens < 1:
@@ -128,6 +129,8 @@ class DemoResult:
     """Requests whose digests were compared on the decode ranks (each decode rank's count, summed)."""
     digest_s: float = 0.0
     """Time the slowest checking rank spent digesting (pull: also waiting for the prefill's answers)."""
+    digest_mismatches: list[str] = field(default_factory=list)
+    """Requests failed by a digest mismatch, as ``decode rank R: <the failure>`` (each is also a problem)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,6 +222,7 @@ class _Ranks:
                     cfg.seed,
                     cfg.timeout_s,
                     cfg.verify,
+                    cfg.corrupt and cfg.corrupt_at == "landed",
                 )
                 inbox = ctx.Queue()
                 proc = ctx.Process(
@@ -358,10 +362,11 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
                 senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
                 ranks.send([("decode", d)], "expect", senders, payloads)
         moved = ranks.collect("transferred", ranks.keys(active))
-        for (role, _), (count, secs) in ranks.collect("digests", ranks.keys()).items():
+        for (role, rank), (count, secs, mismatches) in sorted(ranks.collect("digests", ranks.keys()).items()):
             if role == "decode":  # the checking side in both modes
                 result.digested_requests += count
                 result.digest_s = max(result.digest_s, secs)
+                result.digest_mismatches += [f"decode rank {rank}: {m}" for m in mismatches]
         for plan_s, transfer_s, ids, posted, nbytes, _n, xfers in moved.values():
             result.plan_s += plan_s
             result.transfer_s = max(result.transfer_s, transfer_s)
@@ -375,7 +380,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             f"verifying every byte: {n_ranks} ranks x {tensors} tensors",
             n_ranks * tensors,
         )
-        ranks.send(ranks.keys(), "verify", cfg.corrupt_at if cfg.corrupt else None)
+        ranks.send(ranks.keys(), "verify", cfg.corrupt_at if cfg.corrupt and cfg.corrupt_at != "landed" else None)
         verdicts = ranks.collect("verified", ranks.keys())
         for (role, rank), (problem, checked, verify_s) in sorted(verdicts.items()):
             if role == "decode":
@@ -385,6 +390,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             result.verify_s = max(result.verify_s, verify_s)
             if problem is not None:
                 result.problems.append(f"{role} rank {rank}: {problem}")
+        result.problems = result.digest_mismatches + result.problems
         result.verified = not result.problems
         clean = True
     finally:
