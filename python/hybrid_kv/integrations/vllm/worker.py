@@ -87,7 +87,6 @@ class _Inflight:
     # (address, control, endpoint meant) to send when it ends
     release: list[tuple[str, bytes, str]] = field(default_factory=list)
     lease_expires_at: float | None = None  # pull: the prefill's lease on the blocks read (wall clock)
-    verified: bool = False  # its digests are checked (``verify``)
 
 
 def worker_name(engine_id: str, tp_rank: int) -> str:
@@ -403,7 +402,6 @@ class WorkerHalf:
         job = self.inflight[req.request_id]
         job.release = releases
         job.lease_expires_at = req.lease_expires_at
-        job.verified = check is not None
 
     def _post(
         self,
@@ -669,7 +667,6 @@ class WorkerHalf:
         left = max(1.0, wait["deadline"] - time.monotonic())
         self.server.expect(rid, left, writers=wait["writers"], check=check)
         self.inflight[rid] = _Inflight(rid, "recv", None, [], time.perf_counter(), None, 0, wait["ids"])
-        self.inflight[rid].verified = check is not None
 
     def _match_pushes(self) -> None:
         """Prefill side of push: WRITE every request that finished here and has a decode registration."""
