@@ -9,6 +9,7 @@ Engines here are TP 1 so that a peer engine is one process: the TP matrix itself
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import sys
@@ -26,8 +27,19 @@ from hybrid_kv import HandshakeError, PeerPlan, RegionTable, validate_handshake 
 from hybrid_kv.demo.content import Content, Request, Side, expect_decode, fill_prefill, random_bytes  # noqa: E402
 from hybrid_kv.demo.run import process_context  # noqa: E402
 from hybrid_kv.transport import Endpoint, Transfer  # noqa: E402
+from hybrid_kv.verify import (  # noqa: E402
+    DigestAnswer,
+    DigestAsk,
+    Digester,
+    MirrorCache,
+    answer,
+    compare,
+    decode_message,
+    encode_message,
+    initiator_digests,
+)
 
-__all__ = ["DecodeRank", "KimiRank", "PrefillProcess", "ZERO", "pump"]
+__all__ = ["DecodeRank", "KimiRank", "PrefillProcess", "RogueWriter", "ZERO", "pump"]
 
 PRESET = "tiny-kimi-linear"
 ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
@@ -70,13 +82,22 @@ class KimiRank:
 def prefill_main(
     name: str, preset: str, num_blocks: int, seed: int, requests: list[Request], out: Any, cmds: Any
 ) -> None:
-    """A prefill rank: fills ``requests`` from the logical model, serves its metadata, answers READs until told
-    to stop; reports ``("closed", handle_counts)`` after closing its endpoint."""
+    """A prefill rank: fills ``requests`` from the logical model, serves its metadata, answers READs and digest
+    asks (``hybrid_kv.verify.DigestAsk``, with its own ids of the request named) until told to stop; reports
+    ``("closed", handle_counts, unchanged)`` after closing its endpoint.
+
+    Commands: ``"stop"``; ``("rewrite", rid)``: after digesting ``rid`` for an ask, re-write a byte of its
+    first block before answering (a block reused between the digest and the READ), reported ``("rewrote",
+    rid)``."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     rank = KimiRank("prefill", num_blocks, seed, preset)
     for r in requests:
         fill_prefill(rank.pools, rank.side, 0, r, Content(rank.side.preset, seed, r.index, r.content_tokens), seed)
     filled = rank.snapshot()
+    by_rid = {r.rid: r for r in requests}
+    rewrite: set[str] = set()
+    rewrote = False
+    digester, mirrors = Digester(rank.table, rank.tensors), MirrorCache(rank.payload)
     end = time.monotonic() + 60.0  # never outlive a broken test for long
     ep = Endpoint(
         name, rank.table.registration(), {"whole": rank.table.local_rows()}, metadata_provider=lambda r: rank.payload
@@ -90,12 +111,26 @@ def prefill_main(
                 cmd = None
             if cmd == "stop":
                 break
+            if isinstance(cmd, tuple) and cmd[0] == "rewrite":
+                rewrite.add(cmd[1])
             ev = ep.poll()
             for e in ev.remote_done:
                 out.put(("remote_done", e.sender, e.request_id))
+            for e in ev.remote_failed:
+                out.put(("remote_failed", e.sender, e.request_id, e.reason))
+            for c in ev.control:
+                ask = decode_message(c.payload)
+                assert isinstance(ask, DigestAsk)
+                own = by_rid[ask.req].prefill_ids if ask.req in by_rid else []
+                reply = answer(mirrors, digester, ask, own)
+                if ask.req in rewrite:  # the block is re-written after its digest, before the READ
+                    rank.pools[0][own[0][0] * rank.side.geometry.page_bytes] ^= 0x5A
+                    rewrote = True
+                    out.put(("rewrote", ask.req))
+                ep.send_control(ask.reply_to, encode_message(reply), 5.0, expected_name=c.sender)
             time.sleep(0.0005)
     unchanged = all(np.array_equal(a, b) for a, b in zip(rank.pools, filled, strict=True))
-    out.put(("closed", ep.handle_counts(), unchanged))
+    out.put(("closed", ep.handle_counts(), unchanged or rewrote))
 
 
 class PrefillProcess(Peer):
@@ -143,6 +178,8 @@ class DecodeRank:
         self.local = {"whole": self.rank.table.local_rows(coalesce=True)}
         self.ep = Endpoint(name, self.rank.table.registration(), self.local)
         self.plans: dict[str, PeerPlan] = {}
+        self.addresses: dict[str, str] = {}
+        self.digester = Digester(self.rank.table, self.rank.tensors)
 
     def _validate(self, payload: bytes) -> None:
         validate_handshake(self.rank.payload, payload)
@@ -164,6 +201,36 @@ class DecodeRank:
 
     def connect(self, peer: str, address: str, timeout_s: float) -> None:
         self.ep.connect(peer, address, lambda p: self._tables(peer, p), validate=self._validate, timeout_s=timeout_s)
+        self.addresses[peer] = address
+
+    def pull_verified(
+        self,
+        peer: str,
+        req: Request,
+        deadline_s: float,
+        *,
+        prefill_ids: list[list[int]] | None = None,
+        before_check: Any = None,
+    ) -> Any:
+        """A verified READ of ``req``: ask ``peer`` for its digest (it digests the blocks it holds for the
+        request), post once answered, compare this side's digest once the READ is done. ``prefill_ids``: the
+        remote ids this side reads (default: the request's); ``before_check``: called once the READ landed,
+        before this side digests (fault injection)."""
+        ask = DigestAsk(req.rid, req.decode_ids, self.rank.payload, True, "xxh3", self.ep.address)
+        self.ep.send_control(self.addresses[peer], encode_message(ask), 5.0)
+        ev = pump(self.ep, lambda e: any(c for c in e.control), 5.0)
+        (reply,) = [decode_message(c.payload) for c in ev.control]
+        assert isinstance(reply, DigestAnswer) and reply.req == req.rid and not reply.error, reply
+        transfers = self.transfers(peer, dataclasses.replace(req, prefill_ids=prefill_ids or req.prefill_ids))
+        theirs = int(reply.digest, 16)
+
+        def check() -> str | None:
+            if before_check is not None:
+                before_check()
+            mine = initiator_digests(self.digester, self.plans[peer], transfers, lambda p: 0, "xxh3")[peer]
+            return compare(mine, theirs, 0, 0)
+
+        return self.ep.post(req.rid, transfers, "READ", deadline_s, check=check)
 
     def transfers(self, peer: str, req: Request, plan: PeerPlan | None = None) -> list[Transfer]:
         """A request's READs from ``peer`` (planned with ``plan``, by default the peer's own)."""
@@ -189,3 +256,73 @@ class DecodeRank:
             for b in (b for g in r.decode_ids for b in g):
                 mask[b * page : (b + 1) * page] = True
         return mask
+
+
+# ---------------------------------------------------------------------------------------------- a third process
+
+
+def rogue_main(address: str, addr: int, length: int, out: Any, cmds: Any) -> None:
+    """A third NIXL agent holding the secret: on ``"write"`` it WRITEs ``length`` garbage bytes at ``addr`` of
+    the endpoint serving ``address`` (connecting first) and reports ``("written",)`` once landed."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    buf = np.full(length, 0xA5, dtype=np.uint8)
+    reg = np.array([[buf.ctypes.data, length, 0]], dtype=np.uint64)
+    with Endpoint("rogue", reg, {"src": reg.copy()}) as ep:
+        ep.connect("victim", address, lambda p: {"dst": np.array([[addr, length, 0]], dtype=np.uint64)}, timeout_s=5.0)
+        out.put(("ready",))
+        end = time.monotonic() + 60.0
+        n = 0
+        while time.monotonic() < end:
+            try:
+                cmd = cmds.get(timeout=0.01)
+            except queue.Empty:
+                ep.poll()
+                continue
+            if cmd == "stop":
+                break
+            n += 1
+            one = np.zeros(1, dtype=np.int32)
+            ep.post(f"rogue-{n}", [("victim", "src", "dst", one, one)], "WRITE", 5.0)
+            ev = pump(ep, lambda e: e.done or e.failed, 5.0)
+            out.put(("written",) if ev.done else ("failed", str(ev.failed)))
+
+
+class RogueWriter(Peer):
+    """``rogue_main`` in its own process: ``write()`` lands its garbage in the victim's memory and returns."""
+
+    def __init__(self, address: str, addr: int, length: int) -> None:
+        ctx = process_context("forkserver")
+        self.out = ctx.Queue()
+        self.cmds = ctx.Queue()
+        self.proc = ctx.Process(target=rogue_main, args=(address, addr, length, self.out, self.cmds), daemon=True)
+        self.proc.start()
+        self.pending: Any = None
+
+    def wait_ready(self, victim: Endpoint) -> None:
+        """Pump the victim endpoint (it must answer the rogue's handshake) until the rogue is connected."""
+        end = time.monotonic() + 30.0
+        while time.monotonic() < end:
+            victim.poll()
+            try:
+                msg = self.out.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            assert msg == ("ready",), msg
+            return
+        raise AssertionError("the rogue writer did not connect")
+
+    def write(self, victim: Endpoint) -> None:
+        """WRITE the garbage now and wait until it landed. Called from inside the victim's ``poll()`` (a
+        request's check), so the victim's UCX worker is progressed directly (its notifications, the rogue's
+        own done-notice among them, are read and dropped: a pulling decode receives no others)."""
+        self.cmds.put("write")
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end:
+            victim._agent.nixl.get_new_notifs()
+            try:
+                msg = self.out.get(timeout=0.001)
+            except queue.Empty:
+                continue
+            assert msg == ("written",), msg
+            return
+        raise AssertionError("the rogue write did not land")

@@ -2,9 +2,10 @@
 tensors, real NIXL transfers between rank processes, every byte checked.
 
 Transfers: the demo harness (``run_demo``) for P TP 1 -> D TP 2, 2 -> 1 and 2 -> 4, in pull and push mode,
-plus different kernel block sizes on the two sides. Decode ranks compare every byte of their pools with the
-logical model (requested blocks: MLA replicated, SSM state sharded; every other byte unchanged), prefill
-ranks check that not one of their bytes changed.
+plus different kernel block sizes on the two sides, all with ``verify=all`` (every request's end-to-end
+digests compared, none differing; ``tests/test_pd_verify.py`` has the corruptions they catch) and once off.
+Decode ranks compare every byte of their pools with the logical model (requested blocks: MLA replicated, SSM
+state sharded; every other byte unchanged), prefill ranks check that not one of their bytes changed.
 
 Faults, at the planner + transport level (``tests/pd_helpers.py``): a prefill killed mid-transfer, a peer
 that never answers the handshake, a peer with incompatible metadata, block ids out of range. Each fails the
@@ -49,6 +50,8 @@ def demo(p_tp: int, d_tp: int, mode: str, **kw: Any) -> tuple[DemoResult, Side, 
 
 def assert_every_byte_verified(res: DemoResult, prefill: Side, decode: Side) -> None:
     assert res.problems == [] and res.verified, res.problems
+    # verify=all (the demo's default): every decode rank compared the digests of every request, all equal
+    assert res.digested_requests == (decode.tp * res.requests if res.verify == "all" else 0), res.verify
     assert res.bytes_moved > 0 and res.descriptors > 0
     assert res.bytes_verified == decode.tp * TENSORS * decode.num_blocks * decode.geometry.page_bytes
     assert res.prefill_bytes_verified == prefill.tp * TENSORS * prefill.num_blocks * prefill.geometry.page_bytes
@@ -66,8 +69,9 @@ def test_kimi_linear_tp_matrix(p_tp: int, d_tp: int, mode: str) -> None:
     assert res.peers == {f"{active}-{r}": handshake_target_ranks(r, tp, remote_tp) for r in range(tp)}
 
 
-def test_different_kernel_block_sizes_on_the_two_sides() -> None:
-    res, prefill, decode = demo(2, 1, "pull", prefill_block_size=8, decode_block_size=32)
+@pytest.mark.parametrize("verify", ["all", "off"])
+def test_different_kernel_block_sizes_on_the_two_sides(verify: str) -> None:
+    res, prefill, decode = demo(2, 1, "pull", prefill_block_size=8, decode_block_size=32, verify=verify)
     assert (prefill.geometry.kernel_block_size, decode.geometry.kernel_block_size) == (8, 32)
     assert prefill.geometry.logical_block_size != decode.geometry.logical_block_size
     assert_every_byte_verified(res, prefill, decode)
@@ -84,6 +88,24 @@ def test_verification_covers_untouched_bytes(where: str, who: str) -> None:
     block = max(named) + 1 if where == "hole" else first.prefill_ids[0][0]
     assert block not in named
     assert problem.startswith(f"{who}: 1 bytes differ in tensor 0; first at logical block {block},"), problem
+
+
+@pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 2, 1), ("push", 1, 2)])
+def test_verify_fails_only_the_request_whose_bytes_changed_after_landing(mode: str, p_tp: int, d_tp: int) -> None:
+    """#22: decode rank 0 flips one byte of the first request's first block after it landed and before its digest
+    (pull: the READ is done; push: the writers' notices arrived): that request alone fails with the mismatch
+    named, every other request of every decode rank is verified and byte-exact."""
+    res, prefill, decode = demo(p_tp, d_tp, mode, requests=3, corrupt=True, corrupt_at="landed")
+    assert not res.verified and res.digested_requests == decode.tp * 3
+    (mismatch,) = res.digest_mismatches
+    assert re.fullmatch(
+        r"decode rank 0: request 'req-0' failed: digest mismatch: \d+ bytes in \d+ moves of rank pair \(0, 0\)",
+        mismatch,
+    ), mismatch
+    first = make_requests(DemoConfig(**res.config), prefill, decode)[0]
+    block = first.decode_ids[0][0]
+    assert res.problems == [mismatch, res.problems[1]], res.problems
+    assert res.problems[1].startswith(f"decode rank 0: 1 bytes differ in tensor 0; first at logical block {block},")
 
 
 def test_handshake_targets_come_from_the_planner() -> None:

@@ -57,6 +57,10 @@ class RegionTable:
         """Kernel page bytes of every region."""
 
     @property
+    def mem_type(self) -> str:
+        """NIXL memory type of the regions: ``"DRAM"`` (host) or ``"VRAM"`` (device)."""
+
+    @property
     def ppl(self) -> int:
         """Kernel blocks per logical block."""
 
@@ -79,6 +83,11 @@ class RegionTable:
 
     def local_rows(self, bsr: int = 1, *, coalesce: bool = False) -> npt.NDArray[np.uint64]:
         """Local descriptor table as strided rows ``(addr, len, device, stride, count)``, shape ``(rows, 5)``."""
+
+    def digest(self, moves: npt.NDArray[np.uint64], side: str = "local") -> int:
+        """XXH3-64 of this table's side (``"local"``: column 0, ``"remote"``: column 1) of ``(M, 3)`` moves, their
+        bytes concatenated in move order; reads the memory (this process's live host memory only). Raises
+        ``ValueError`` for a range outside the regions, a bad shape or side, or regions that are not host memory."""
 
     def handshake_payload(self, engine_info: Mapping[str, Any]) -> bytes:
         """This rank's handshake payload (metadata as wire bytes) with the engine facts ``engine_info``
@@ -200,6 +209,11 @@ class PeerPlan:
     def remote_rows(self, rank: int) -> npt.NDArray[np.uint64]: ...
     def table_descriptors(self, key: str) -> int:
         """Descriptors of local table ``key`` once expanded; raises ``PlanError`` for no such table."""
+    def resolve(
+        self, key: str, remote_rank: int, local_ids: npt.NDArray[np.int32], remote_ids: npt.NDArray[np.int32]
+    ) -> npt.NDArray[np.uint64]:
+        """``(M, 3)`` uint64 ``(local_addr, remote_addr, len)`` byte moves of descriptor-id pairs into local table
+        ``key`` and remote rank ``remote_rank``'s table; raises ``PlanError``."""
     def remote_table_descriptors(self, rank: int) -> int:
         """Descriptors of remote rank ``rank``'s table once expanded; raises ``PlanError`` if not handshaked."""
     def local_bytes(self, key: str, ids: npt.NDArray[np.int32]) -> int:
@@ -214,6 +228,22 @@ class PeerPlan:
     def plan(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> Plan:
         """Plan one request from each side's logical block ids per group (lists are read fastest; numpy
         integer arrays work too); raises ``PlanError``."""
+
+@final
+class MirrorPlan:
+    """A passive rank's copy of one initiator rank's plan, restricted to this rank (transfer digests)."""
+
+    def __new__(cls, own_payload: bytes, initiator_payload: bytes, *, coalesce: bool = True) -> MirrorPlan:
+        """Rebuild the plan of the rank that sent ``initiator_payload`` (untrusted: validated against
+        ``own_payload``, bounded) against this rank, coalescing as the initiator does. Raises
+        ``HandshakeError`` / ``PlanError``."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def initiator_rank(self) -> int: ...
+    def moves(self, initiator_ids: Sequence[Sequence[int]], own_ids: Sequence[Sequence[int]]) -> npt.NDArray[np.uint64]:
+        """``(M, 3)`` uint64 ``(initiator_addr, own_addr, len)`` of one request between the initiator and this rank,
+        in the initiator's move order; raises ``PlanError``."""
 
 def plan_scenario(scenario_json: str, *, moves: bool = True, coalesce: bool = True) -> dict[str, Any]:
     """Build and plan a whole scenario; returns the report as a dict (what its JSON holds). Raises ``PlanError``

@@ -12,6 +12,8 @@ mod check;
 #[cfg(feature = "python")]
 mod convert;
 #[cfg(feature = "python")]
+mod digest;
+#[cfg(feature = "python")]
 mod handshake;
 #[cfg(feature = "python")]
 mod ids;
@@ -43,6 +45,9 @@ mod _core {
 
     #[pymodule_export]
     use super::check::check_scenario;
+
+    #[pymodule_export]
+    use super::digest::PyMirrorPlan;
 
     #[pymodule_export]
     use super::arrays::expand_rows;

@@ -283,6 +283,27 @@ impl PyPeerPlan {
             .collect())
     }
 
+    /// Byte moves of descriptor-id pairs as an `(M, 3)` uint64 array `(local_addr, remote_addr, len)`: what a
+    /// transfer with these ids into local table `key` and remote rank `remote_rank`'s table moves.
+    ///
+    /// Raises:
+    ///     PlanError: no such table, an id outside its table, lists of different lengths, or a pair whose
+    ///         lengths differ.
+    fn resolve<'py>(
+        &self,
+        py: Python<'py>,
+        key: &str,
+        remote_rank: u32,
+        local_ids: PyReadonlyArray1<'_, i32>,
+        remote_ids: PyReadonlyArray1<'_, i32>,
+    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let k = parse_key(key)?;
+        let (l, r) = (local_ids.as_array(), remote_ids.as_array());
+        let (l, r): (Vec<i32>, Vec<i32>) = (l.iter().copied().collect(), r.iter().copied().collect());
+        let moves = self.inner.resolve(k, remote_rank, &l, &r).map_err(Error::from)?;
+        u64_matrix(py, moves.concat(), 3)
+    }
+
     /// Descriptors of remote rank `rank`'s table once expanded.
     ///
     /// Raises:

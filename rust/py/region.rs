@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use numpy::PyArray2;
+use numpy::{PyArray2, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::arrays::{flat_descs, u64_matrix};
+use super::digest::digest_moves;
 use super::errors::Error;
 use crate::core::handshake as hs;
 use crate::core::{AgentMeta, DescTable, EngineInfo, RankLayout, RegionTable};
@@ -74,6 +75,12 @@ impl PyRegionTable {
     #[getter]
     fn block_lens(&self) -> Vec<u64> {
         self.inner.regions.iter().map(|r| r.block_len).collect()
+    }
+
+    /// NIXL memory type of the regions: "DRAM" (host) or "VRAM" (device).
+    #[getter]
+    fn mem_type(&self) -> &'static str {
+        self.inner.mem_type.nixl_name()
     }
 
     /// Kernel blocks per logical block.
@@ -157,6 +164,26 @@ impl PyRegionTable {
             pythonize::depythonize(engine_info).map_err(|e| Error::handshake(format!("bad engine info: {e}")))?;
         let bytes = hs::encode(&AgentMeta::from_table(&self.inner, &info)).map_err(Error::from)?;
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// XXH3-64 digest of this rank's side of byte moves: the concatenation, in move order, of the bytes at
+    /// `moves[:, 0]` (`side="local"`) or `moves[:, 1]` (`"remote"`), each `moves[:, 2]` long. How the moves are
+    /// cut does not change it; their order does.
+    ///
+    /// It reads the memory: call it only on a table of this process's live host memory (built from tensors
+    /// that outlive the call, as for a NIXL registration). Every range must lie inside one of the table's
+    /// regions; device memory is digested with `hybrid_kv.verify`'s torch path instead. The GIL is released.
+    ///
+    /// Args:
+    ///     moves (numpy.ndarray): `(M, 3)` uint64 `(local_addr, remote_addr, len)`, as `Plan.moves` and
+    ///         `MirrorPlan.moves` give them.
+    ///     side (str): which address column is this table's: "local" or "remote".
+    /// Raises:
+    ///     ValueError: a bad `side` or shape, a range outside the table's regions (named), or regions that are
+    ///         not host memory.
+    #[pyo3(signature = (moves, side = "local"))]
+    fn digest(&self, py: Python<'_>, moves: PyReadonlyArray2<'_, u64>, side: &str) -> PyResult<u64> {
+        digest_moves(py, &self.inner, &moves, side)
     }
 
     fn __repr__(&self) -> String {

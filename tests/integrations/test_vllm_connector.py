@@ -21,10 +21,13 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 CONTENT_TOKENS = 2048
 
 
-def _transfer(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int]) -> Any:
+def _transfer(
+    model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int], verify: str = "off"
+) -> Any:
     p_port, d_port = side_channel_ports(2)
-    p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port))
-    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port))
+    extra = (("verify", verify),)
+    p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port, extra=extra))
+    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port, extra=extra))
     try:
         reqs = []
         for i, n in enumerate(lengths):
@@ -76,33 +79,107 @@ def _transfer(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode
 
 
 def _stats(engine: Engine) -> dict[str, Any]:
-    out: dict[str, Any] = {"bytes": [], "descriptors": [], "num_failed_transfers": 0}
+    counters = ("num_failed_transfers", "num_verified_transfers", "num_digest_mismatches")
+    out: dict[str, Any] = {"bytes": [], "descriptors": [], **{k: 0 for k in counters}}
     for s in engine.stats:
         out["bytes"] += s["bytes"]
         out["descriptors"] += s["descriptors"]
-        out["num_failed_transfers"] += s["num_failed_transfers"]
+        for k in counters:
+            out[k] += s[k]
     return out
 
 
+def _assert_verified(d: Engine, verify: str, loads: int) -> None:
+    """With ``verify=all`` every decode rank compared the digests of each of its loads, none differing."""
+    s = _stats(d)
+    assert s["num_digest_mismatches"] == 0 and s["num_failed_transfers"] == 0
+    assert s["num_verified_transfers"] == (loads if verify == "all" else 0)
+
+
+@pytest.mark.parametrize("verify", ["off", "all"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_kimi_linear_pull(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> None:
-    """The seed case: hybrid MLA + KDA in shared HMA tensors, heterogeneous TP both ways, decode READs."""
-    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "pull", [300, 517, 64])
+def test_kimi_linear_pull(model_dirs: dict[str, str], p_tp: int, d_tp: int, verify: str) -> None:
+    """The seed case: hybrid MLA + KDA in shared HMA tensors, heterogeneous TP both ways, decode READs; with
+    ``verify=all`` each READ is also checked end to end (the prefill's digest, asked first, against the bytes
+    that landed)."""
+    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "pull", [300, 517, 64], verify)
     s = _stats(d)
     assert len(s["bytes"]) == 3 * d_tp and all(b > 0 for b in s["bytes"])
-    assert s["num_failed_transfers"] == 0
+    _assert_verified(d, verify, 3 * d_tp)
 
 
 @pytest.mark.parametrize(("model", "p_tp", "d_tp"), [("gqa", 1, 2), ("mla", 2, 1)])
 def test_gqa_and_pure_mla_pull(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int) -> None:
-    """A GQA model (heads split across decode ranks) and a pure-MLA model (replicated latents)."""
-    p, d = _transfer(model_dirs, model, p_tp, d_tp, "pull", [300, 517])
+    """A GQA model (heads split across decode ranks) and a pure-MLA model (replicated latents), verified."""
+    p, d = _transfer(model_dirs, model, p_tp, d_tp, "pull", [300, 517], "all")
     s = _stats(d)
-    assert s["bytes"] and all(b > 0 for b in s["bytes"]) and s["num_failed_transfers"] == 0
+    assert s["bytes"] and all(b > 0 for b in s["bytes"])
+    _assert_verified(d, "all", 2 * d_tp)
 
 
+@pytest.mark.parametrize("verify", ["off", "all"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_kimi_linear_push(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> None:
-    """The seed case in push mode: prefill WRITEs into the decode ranks."""
-    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "push", [300, 517, 64])
+def test_kimi_linear_push(model_dirs: dict[str, str], p_tp: int, d_tp: int, verify: str) -> None:
+    """The seed case in push mode: prefill WRITEs into the decode ranks (verified: the writers' digests ride in
+    their done-notices)."""
+    p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "push", [300, 517, 64], verify)
     assert _stats(p)["num_failed_transfers"] == 0
+    _assert_verified(d, verify, 3 * d_tp)
+
+
+def test_a_block_rewritten_after_the_prefills_digest_fails_only_its_request(model_dirs: dict[str, str]) -> None:
+    """``verify=all``, pull, Kimi-Linear prefill TP 2 -> decode TP 1: each prefill worker re-writes ``p-1``'s
+    blocks (another request's content: a block reused too early) right after digesting them for the decode and
+    before the decode's READ. ``d-1`` alone fails, as a failed load (its several KV-cache groups make it a
+    ``failed_recving`` request: vLLM's default policy finishes it with an error) counted as a digest mismatch;
+    ``d-0`` and ``d-2`` land byte-exact."""
+    from vllm.v1.engine import FinishReason
+
+    p_port, d_port = side_channel_ports(2)
+    extra = (("verify", "all"),)
+    p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 2, "pull", p_port, extra=extra))
+    d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "pull", d_port, extra=extra))
+    finish: dict[str, Any] = {}
+    orig = d.scheduler.update_from_output
+
+    def spy(so: Any, mro: Any) -> Any:
+        res = orig(so, mro)
+        for eco in res.values():
+            for out in eco.outputs:
+                if out.finish_reason is not None:
+                    finish[out.request_id] = out.finish_reason
+        return res
+
+    d.scheduler.update_from_output = spy
+    try:
+        lengths = [300, 517, 64]
+        for i, n in enumerate(lengths):
+            p.add(f"p-{i}", prompt(i, n), {"do_remote_decode": True}, i)
+            p.fills[f"p-{i}"] = (i, CONTENT_TOKENS)
+        run_until([p], lambda: all(f"p-{i}" in p.outputs for i in range(3)))
+        p.workers.call("rewrite_after_digest", "p-1", 77)
+        for i, n in enumerate(lengths):
+            d.add(f"d-{i}", prompt(i, n), dict(p.outputs[f"p-{i}"]), i)
+        run_until([p, d], lambda: all(f"d-{i}" in finish for i in range(3)) and p.idle())
+        assert finish["d-1"] == FinishReason.ERROR
+        assert finish["d-0"] != FinishReason.ERROR and finish["d-2"] != FinishReason.ERROR
+        s = _stats(d)
+        assert (s["num_verified_transfers"], s["num_digest_mismatches"], s["num_failed_transfers"]) == (3, 1, 1)
+        from hybrid_kv.integrations.vllm.layout import transfer_group_kinds
+
+        recv = {rid: r for meta in d.metas for rid, r in meta.recv.items()}
+        att = next(g for g, kind in enumerate(transfer_group_kinds(d.kv_cfg)) if kind != "ssm")
+        checks = []
+        for i in (0, 2):
+            r = recv[f"d-{i}"]
+            moved = min(
+                len(r.remote_block_ids[att]) * p.spec.logical_block_size,
+                len(r.local_block_ids[att]) * d.spec.logical_block_size,
+            )
+            checks.append((r.local_block_ids, i, CONTENT_TOKENS, moved))
+        # d-0 and d-2 landed exactly; d-1's blocks are not checked (its bytes are unknown: it failed)
+        for problem, _ in d.workers.call("verify_some", checks, recv["d-1"].local_block_ids):
+            assert problem is None, problem
+    finally:
+        p.close()
+        d.close()

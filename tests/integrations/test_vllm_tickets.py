@@ -257,6 +257,20 @@ def test_settings_peer_networks_and_lease_extension() -> None:
 # ---------------------------------------------------------------------------------------------- control messages
 
 
+VERIFY_ASK = {
+    "hkv_vllm": "verify_ask",
+    "req": "p-0",
+    "grant": GRANT,
+    "d_req": "d-0",
+    "ids": [[1, 2]],
+    "payload": b"payload",
+    "coalesce": True,
+    "algo": "xxh3",
+    "host": "127.0.0.1",
+    "port": 5700,
+}
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -279,6 +293,23 @@ def test_settings_peer_networks_and_lease_extension() -> None:
         msgspec.msgpack.encode({"hkv_vllm": "nope"}),
         b"",
         b"\xc1",
+        # #22: digest asks and answers
+        *[
+            msgspec.msgpack.encode({**VERIFY_ASK, **change})
+            for change in (
+                {"algo": "md5"},
+                {"payload": b"x" * (512 * 1024 + 1)},
+                {"port": 0},
+                {"grant": b"x"},
+                {"ids": [[-1]]},
+                {"extra": 1},
+            )
+        ],
+        msgspec.msgpack.encode({k: v for k, v in VERIFY_ASK.items() if k != "payload"}),
+        *[
+            msgspec.msgpack.encode({"hkv_vllm": "verify_answer", "d_req": "d-0", "bytes": 1, "moves": 1, **change})
+            for change in ({"digest": "A" * 16}, {"digest": "0" * 17}, {"digest": 5}, {"digest": "", "bytes": -1})
+        ],
     ],
 )
 def test_hostile_control_messages_are_refused(payload: bytes) -> None:
@@ -294,6 +325,10 @@ def test_control_messages_round_trip() -> None:
             p_req="p-0", grant=GRANT, d_req="d-0", ids=[[1, 2]], engine="decode", host="127.0.0.1", port=5700, tp=2
         ),
         control.PushPlan(d_req="d-0", writes=True),
+        control.PushPlan(d_req="d-0", writes=True, payload=b"p" * 100, coalesce=False),
+        control.decode(msgspec.msgpack.encode(VERIFY_ASK)),
+        control.VerifyAnswer(d_req="d-0", digest="0123456789abcdef", bytes=10, moves=2),
+        control.VerifyAnswer(d_req="d-0", digest="", bytes=0, moves=0, error="no lease"),
     ]
     for m in msgs:
         assert control.decode(control.encode(m)) == m

@@ -451,6 +451,18 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
             elif cmd == "mark":
                 before = mem.snapshot()
                 conn.send(("ok", None))
+            elif cmd == "rewrite_after_digest":  # verify tests: request args[0]'s blocks are re-written (another
+                # request's content, a reused block) right after this prefill worker digested them for a decode
+                target, index = args
+
+                def rewrite(rid: str, ids: list[list[int]], target: str = target, index: int = index) -> None:
+                    if rid == target:
+                        host = mem.snapshot()
+                        mem.write(host, ids, Content(spec.seed, index, 64))
+                        mem.flat.copy_(host)
+
+                connector.worker.after_digest = rewrite
+                conn.send(("ok", None))
             elif cmd == "step":
                 meta = args[0]
                 t0 = time.perf_counter()
@@ -475,6 +487,20 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
                         ),
                     )
                 )
+            elif cmd == "verify_some":  # as verify, not looking at the bytes blocks args[1] hold (a failed load's)
+                checks, skip = args
+                expected = before.clone()
+                for ids, index, tokens, moved in checks:
+                    mem.write(expected, ids, Content(spec.seed, index, tokens), moved)
+                skipped = np.zeros(expected.numel(), dtype=bool)
+                for k in range(4):  # the bytes a write to ``skip`` reaches (one content leaves a byte 0 in 256)
+                    probe = torch.zeros_like(expected)
+                    mem.write(probe, skip, Content(spec.seed, 10**6 + k, 2048))
+                    skipped |= probe.numpy() != 0
+                now, want = mem.snapshot().numpy(), expected.numpy()
+                diff = np.flatnonzero((now != want) & ~skipped)
+                msg = None if diff.size == 0 else f"{diff.size} bytes differ; first at byte {int(diff[0])}"
+                conn.send(("ok", (msg, int(now.size))))
             elif cmd == "verify":  # every byte: what landed, and that nothing else changed
                 expected = before.clone()
                 for ids, index, tokens, moved in args[0]:

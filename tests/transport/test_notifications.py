@@ -62,6 +62,11 @@ def _settle(d: Endpoint, others: list[Endpoint], rounds: int = 50) -> list[tuple
         b"hkv:fail:norest",
         b"hkv:fail::reason",
         b"hkv:done:0:1:\xff",
+        b"hkv:dgst:0:1:0123456789abcdef",  # no request id
+        b"hkv:dgst:0:1:0123456789ABCDEF:r",  # upper-case hex
+        b"hkv:dgst:0:1:0123456789abcde:r",  # 15 digits
+        b"hkv:dgst:0:1:0123456789abcdef0:r",  # 17 digits
+        b"hkv:dgst:1:1:0123456789abcdef:r",
     ],
 )
 def test_malformed_notices_are_not_notices(msg: bytes) -> None:
@@ -72,6 +77,10 @@ def test_notices_still_round_trip_and_reasons_are_cut() -> None:
     assert notifications.parse(notifications.done_message("a:b", 4095, 4096)) == notifications.Notice(
         "done", "a:b", index=4095, count=4096
     )
+    assert notifications.parse(notifications.done_message("a:b", 0, 2, 2**64 - 1)) == notifications.Notice(
+        "done", "a:b", index=0, count=2, digest=2**64 - 1
+    )
+    assert notifications.done_message("r", 0, 1, 0xAB) == b"hkv:dgst:0:1:00000000000000ab:r"
     n = notifications.parse(notifications.fail_message("r", "x" * 10_000))
     assert n is not None and len(n.reason) == notifications.MAX_REASON_CHARS
 
@@ -142,3 +151,44 @@ def test_partial_done_sets_are_capped_per_sender(
     _send(p, notifications.done_message("push-2", 1, 3))
     _settle(d, [p, x])
     assert ("P", "push-2") in d._inbox.partial()
+
+
+def test_a_passive_check_gets_each_writers_digest(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
+    """#22: the digest a writer's done-notices carry reaches the passive request's check, which decides; notices
+    of one set that disagree give ``INCONSISTENT``; a landed request remembered for a later ``expect`` keeps its
+    digest."""
+    p, d, x = trio
+    got: list[dict[str, int | None]] = []
+
+    def check(digests: dict[str, int | None]) -> str | None:
+        got.append(digests)
+        return None if digests.get("P") == 7 else "digest mismatch: test"
+
+    good = d.expect("v-1", 5.0, writers=["P"], check=check)
+    bad = d.expect("v-2", 5.0, writers=["P"], check=check)
+    for i in (1, 0):
+        _send(p, notifications.done_message("v-1", i, 2, 7))
+    _send(p, notifications.done_message("v-2", 0, 2, 7))
+    _send(p, notifications.done_message("v-2", 1, 2, 8))
+    _send(p, notifications.done_message("v-3", 0, 1, 9))  # lands before anyone awaits it
+    ev = pump(d, lambda e: e.done and e.failed, 3.0, others=[p, x])
+    assert ev.done == ["v-1"] and good.state is RequestState.DONE
+    assert bad.state is RequestState.FAILED and "digest mismatch: test" in str(ev.failed[0])
+    assert {"P": 7} in got and {"P": inbox_mod.INCONSISTENT} in got
+    late = d.expect("v-3", 5.0, writers=["P"], check=check)
+    assert late.state is RequestState.FAILED and got[-1] == {"P": 9}
+
+
+def test_a_check_that_raises_fails_its_request_only(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
+    p, d, x = trio
+
+    def broken(digests: dict[str, int | None]) -> str | None:
+        raise RuntimeError("boom")
+
+    h = d.expect("v-1", 5.0, writers=["P"], check=broken)
+    ok = d.expect("v-2", 5.0, writers=["P"])
+    _send(p, notifications.done_message("v-1", 0, 1, 1))
+    _send(p, notifications.done_message("v-2", 0, 1))
+    ev = pump(d, lambda e: e.done and e.failed, 3.0, others=[p, x])
+    assert ev.done == ["v-2"] and ok.state is RequestState.DONE
+    assert h.state is RequestState.FAILED and "verification failed: RuntimeError: boom" in str(ev.failed[0])

@@ -27,6 +27,8 @@ MAX_TIMEOUT_S = 86400.0
 """Longest bound on a wait (one day)."""
 MAX_SEED = 2**63 - 1
 """Largest content seed."""
+MAX_SAMPLE_EVERY = 1 << 20
+"""The largest N of ``--verify sampled:N`` (``hybrid_kv.verify.MAX_SAMPLE_EVERY``; the CLI imports no msgspec)."""
 
 EXAMPLES = """examples:
   hybrid-kv demo                                     tiny Kimi-Linear, prefill TP 2 -> decode TP 1, pull
@@ -34,6 +36,7 @@ EXAMPLES = """examples:
   hybrid-kv demo --mode push --requests 16           prefill WRITEs into decode
   hybrid-kv demo --preset tiny-qwen3-next --prefill-tp 2 --decode-tp 2
   hybrid-kv demo --tokens 4000 --json                machine-readable summary
+  hybrid-kv demo --verify sampled:4                  digest every 4th request end to end (default: all)
 
 Exit status: 0 only when every request completed and every decode byte matched; 1 when the transfer ran
 but bytes differ; 2 for bad arguments or a failed run (one line on stderr)."""
@@ -122,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
         corrupt=args.inject_corruption,
+        verify=args.verify,
     )
     cfg.validate()  # bad arguments fail here, before any process starts
     require("torch", "nixl", "zmq")  # ranks need all three: check before starting any
@@ -185,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         f"{_ms(result.transfer_s)} in the slowest rank: {result.gbps:.2f} GB/s (one contiguous memcpy of the same "
         f"bytes: {result.memcpy_gbps:.2f} GB/s)",
     )
+    t.add_row("end-to-end digests", _digest_line(result, cfg.mode))
     t.add_row(
         "verified",
         f"{_size(result.bytes_verified)} of decode memory + {_size(result.prefill_bytes_verified)} of prefill "
@@ -207,6 +212,21 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
+def _digest_line(result: Any, mode: str) -> str:
+    """What ``verify`` did: how many requests each decode rank checked, and what it cost."""
+    if result.verify == "off":
+        return "verify=off: none (each request's bytes are not digested in flight)"
+    how = (
+        "each prefill rank digested before the READ, each decode rank after it"
+        if mode == "pull"
+        else "each prefill rank digested before its WRITEs, each decode rank once they landed"
+    )
+    return (
+        f"verify={result.verify}: {count(result.digested_requests, 'request')} checked on the decode ranks, no "
+        f"mismatch ({how}); {_ms(result.digest_s)} in the slowest decode rank"
+    )
+
+
 def layout_claims(kinds: list[str]) -> str:
     """What the verification checked, for the kinds of KV-cache groups the model has."""
     claims = {
@@ -220,6 +240,15 @@ def layout_claims(kinds: list[str]) -> str:
 def cfg_peer(key: str) -> str:
     """The other engine's name for a rank key (``decode-0`` -> ``prefill``)."""
     return "prefill" if key.startswith("decode") else "decode"
+
+
+def _verify_arg(text: str) -> str:
+    from ..verify import VerifyPolicy
+
+    try:
+        return str(VerifyPolicy.parse(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(sub: Any) -> None:
@@ -287,6 +316,14 @@ def register(sub: Any) -> None:
         default=120.0,
         metavar="S",
         help=f"bound on every wait, in (0, {MAX_TIMEOUT_S:g}] s (default 120 s)",
+    )
+    p.add_argument(
+        "--verify",
+        type=_verify_arg,
+        default="all",
+        metavar="WHICH",
+        help="end-to-end transfer digests: 'all' (default), 'off', or 'sampled:N' (every Nth request, "
+        f"1 <= N <= {MAX_SAMPLE_EVERY}); a mismatch fails its request",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests: verification must fail

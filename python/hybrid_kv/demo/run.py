@@ -50,18 +50,28 @@ class DemoConfig:
     """Fault injection for tests: rank 0 of one side flips one byte before verifying (where: ``corrupt_at``)."""
     corrupt_at: str = "received"
     """``received``: a byte decode received; ``hole``: a decode byte no request names; ``prefill``: a prefill
-    byte (which must be unchanged after the transfer)."""
+    byte (which must be unchanged after the transfer); ``landed``: a byte of the first request's first decode
+    block, flipped after its bytes landed and before decode rank 0 digests them (``verify`` must catch it)."""
     start_method: str = "spawn"
     """How rank processes start: ``spawn``, or ``forkserver`` (one server imports torch once and forks every
     rank from it: much faster startup when many ranks start on few cores)."""
 
+    verify: str = "all"
+    """Which requests are verified end to end (``hybrid_kv.verify``): ``off``, ``all`` or ``sampled:N``."""
+
     def validate(self) -> tuple[Side, Side]:
         """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
+        from ..verify import VerifyPolicy
+
         preset = get_preset(self.preset)
+        try:
+            VerifyPolicy.parse(self.verify)
+        except ValueError as exc:
+            raise LayoutError(str(exc)) from None
         if self.mode not in ("pull", "push"):
             raise LayoutError(f"mode must be 'pull' or 'push', got {self.mode!r}")
-        if self.corrupt_at not in ("received", "hole", "prefill"):
-            raise LayoutError(f"corrupt_at must be 'received', 'hole' or 'prefill', got {self.corrupt_at!r}")
+        if self.corrupt_at not in ("received", "hole", "prefill", "landed"):
+            raise LayoutError(f"corrupt_at must be 'received', 'hole', 'prefill' or 'landed', got {self.corrupt_at!r}")
         if self.start_method not in ("spawn", "forkserver"):
             raise LayoutError(f"start method must be 'spawn' or 'forkserver', got {self.start_method!r}")
         if self.requests < 1 or self.tokens < 1:
@@ -113,6 +123,14 @@ class DemoResult:
     """Wall time of the whole run: the phases plus ``other_s``."""
     problems: list[str] = field(default_factory=list)
     verified: bool = False
+    verify: str = "off"
+    """The ``verify`` setting the transfers ran with (end-to-end digests, ``hybrid_kv.verify``)."""
+    digested_requests: int = 0
+    """Requests whose digests were compared on the decode ranks (each decode rank's count, summed)."""
+    digest_s: float = 0.0
+    """Time the slowest checking rank spent digesting (pull: also waiting for the prefill's answers)."""
+    digest_mismatches: list[str] = field(default_factory=list)
+    """Requests failed by a digest mismatch, as ``decode rank R: <the failure>`` (each is also a problem)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,7 +211,18 @@ class _Ranks:
             other_kb = cfg.decode_block_size if role == "prefill" else cfg.prefill_block_size
             for rank in range(side.tp):
                 spec = WorkerSpec(
-                    role, rank, cfg.mode, cfg.preset, side.tp, other.tp, side.num_blocks, kb, cfg.seed, cfg.timeout_s
+                    role,
+                    rank,
+                    cfg.mode,
+                    cfg.preset,
+                    side.tp,
+                    other.tp,
+                    side.num_blocks,
+                    kb,
+                    cfg.seed,
+                    cfg.timeout_s,
+                    cfg.verify,
+                    cfg.corrupt and cfg.corrupt_at == "landed",
                 )
                 inbox = ctx.Queue()
                 proc = ctx.Process(
@@ -294,6 +323,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         decode={"tp": decode.tp, "num_blocks": decode.num_blocks, **decode.geometry.to_dict()},
         requests=len(requests),
         tokens=[r.tokens for r in requests],
+        verify=cfg.verify,
     )
     active = "decode" if cfg.mode == "pull" else "prefill"
     passive = "prefill" if active == "decode" else "decode"
@@ -327,10 +357,16 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         )
         if cfg.mode == "push":
             targets = ranks.collect("targets", ranks.keys("prefill"))
+            payloads = {rank: ready[(role, rank)][3] for role, rank in ranks.keys("prefill")}
             for d in range(decode.tp):
                 senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
-                ranks.send([("decode", d)], "expect", senders)
+                ranks.send([("decode", d)], "expect", senders, payloads)
         moved = ranks.collect("transferred", ranks.keys(active))
+        for (role, rank), (count, secs, mismatches) in sorted(ranks.collect("digests", ranks.keys()).items()):
+            if role == "decode":  # the checking side in both modes
+                result.digested_requests += count
+                result.digest_s = max(result.digest_s, secs)
+                result.digest_mismatches += [f"decode rank {rank}: {m}" for m in mismatches]
         for plan_s, transfer_s, ids, posted, nbytes, _n, xfers in moved.values():
             result.plan_s += plan_s
             result.transfer_s = max(result.transfer_s, transfer_s)
@@ -344,7 +380,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             f"verifying every byte: {n_ranks} ranks x {tensors} tensors",
             n_ranks * tensors,
         )
-        ranks.send(ranks.keys(), "verify", cfg.corrupt_at if cfg.corrupt else None)
+        ranks.send(ranks.keys(), "verify", cfg.corrupt_at if cfg.corrupt and cfg.corrupt_at != "landed" else None)
         verdicts = ranks.collect("verified", ranks.keys())
         for (role, rank), (problem, checked, verify_s) in sorted(verdicts.items()):
             if role == "decode":
@@ -354,6 +390,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
             result.verify_s = max(result.verify_s, verify_s)
             if problem is not None:
                 result.problems.append(f"{role} rank {rank}: {problem}")
+        result.problems = result.digest_mismatches + result.problems
         result.verified = not result.problems
         clean = True
     finally:

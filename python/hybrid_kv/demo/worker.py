@@ -23,6 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from ..verify import (
+    DigestAnswer,
+    DigestAsk,
+    VerifyPolicy,
+    answer,
+    compare,
+    decode_message,
+    encode_message,
+    initiator_digests,
+)
 from .content import Content, Request, Side, expect_decode, fill_prefill, random_bytes, region_mismatch
 
 POLL_SLEEP_S = 0.0002
@@ -42,6 +52,11 @@ class WorkerSpec:
     kernel_block_size: int | None
     seed: int
     deadline_s: float
+    verify: str = "off"
+    """``VerifyPolicy`` text: which requests are verified end to end (``hybrid_kv.verify``)."""
+    corrupt_landed: bool = False
+    """Fault injection (tests): decode rank 0 flips a byte of the first request's first block once it landed,
+    before its digest is checked."""
 
     @property
     def active(self) -> bool:
@@ -87,6 +102,10 @@ class _Worker:
         self.ep: Any = None
         self.planner: Any = None
         self.link: Any = None
+        self.requests: list[Request] = []
+        self.digest_s = 0.0  # this rank's time computing digests and waiting for its peers' (active ranks)
+        self.digested = 0  # requests this rank verified (active ranks) or answered digests for (passive)
+        self.mismatches: list[str] = []  # this rank's requests failed by a digest mismatch (only they may fail)
 
     def send(self, kind: str, *payload: Any) -> None:
         self.outbox.put((kind, self.spec.role, self.spec.rank, *payload))
@@ -106,16 +125,21 @@ class _Worker:
                     raise RuntimeError(f"expected command {kind!r}, got {cmd[0]!r}")
                 return tuple(cmd[1:])
             if self.ep is not None:
-                self._check_events(self.ep.poll())
+                ev = self.ep.poll()
+                self._answer_digests(ev.control)
+                self._check_events(ev)
                 time.sleep(POLL_SLEEP_S)
             if time.monotonic() > end:
                 raise TimeoutError(f"no {kind!r} command within {self.spec.deadline_s:g} s")
 
     def _check_events(self, ev: Any) -> None:
+        """Any failure ends the run, except a digest mismatch: it fails its request alone (reported)."""
         for err in ev.failed:
-            raise RuntimeError(str(err))
+            if "digest mismatch" not in str(err):
+                raise RuntimeError(str(err))
         for e in ev.remote_failed:
-            raise RuntimeError(f"peer {e.sender} failed request {e.request_id}: {e.reason}")
+            if "digest mismatch" not in e.reason:
+                raise RuntimeError(f"peer {e.sender} failed request {e.request_id}: {e.reason}")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,6 +148,7 @@ class _Worker:
 
         from ..torch_adapter import region_table_from_tensors
         from ..transport import Endpoint
+        from ..verify import Digester, MirrorCache
 
         torch.set_num_threads(1)
         spec, geo = self.spec, self.side.geometry
@@ -131,6 +156,7 @@ class _Worker:
         pools_t, layers, _ = self.side.preset.torch_layers(
             spec.tp, spec.rank, spec.num_blocks, kernel_block_size=spec.kernel_block_size
         )
+        self.tensors = pools_t
         self.pools = [p.numpy().reshape(-1) for p in pools_t]  # views of the tensors' memory
         for i, pool in enumerate(self.pools):  # garbage everywhere: untouched bytes must stay as they are
             pool[:] = random_bytes(spec.seed, (7, int(spec.role == "decode"), spec.rank, i), pool.size)
@@ -144,6 +170,8 @@ class _Worker:
             total_num_kv_heads=self.side.preset.attention.num_kv_heads,
         )
         self.payload = self.table.handshake_payload(self.side.preset.engine_info(spec.role, spec.mode))
+        self.digester = Digester(self.table, self.tensors)
+        self.mirrors = MirrorCache(self.payload)
         setup_s = time.perf_counter() - t0
         registration = self.table.registration()
         if not spec.active:
@@ -153,9 +181,9 @@ class _Worker:
                 {"whole": self.table.local_rows()},
                 metadata_provider=lambda rank: self.payload,
             )
-            self.send("ready", self.ep.address, setup_s, self.table.num_regions)
+            self.send("ready", self.ep.address, setup_s, self.table.num_regions, self.payload)
         else:
-            self.send("ready", None, setup_s, self.table.num_regions)
+            self.send("ready", None, setup_s, self.table.num_regions, self.payload)
             (addresses,) = self.wait("connect")
             self._connect(addresses, registration)
         try:
@@ -190,7 +218,7 @@ class _Worker:
     def _serve(self) -> None:
         spec = self.spec
         (requests,) = self.wait("requests")
-        self.requests: list[Request] = requests
+        self.requests = requests
         self.contents = [Content(self.side.preset, spec.seed, r.index, r.content_tokens) for r in requests]
         t0 = time.perf_counter()
         if spec.role == "prefill":
@@ -203,8 +231,9 @@ class _Worker:
             self.wait("go")
             self._post_all()
         elif spec.role == "decode":  # push: await the prefill ranks' writes
-            (senders,) = self.wait("expect")
-            self._await_pushes(senders)
+            senders, payloads = self.wait("expect")
+            self._await_pushes(senders, payloads)
+        self.send("digests", self.digested, self.digest_s, self.mismatches)
         (corrupt,) = self.wait("verify")
         if corrupt is not None and spec.rank == 0:
             self._corrupt(corrupt)
@@ -233,9 +262,11 @@ class _Worker:
         pending = set()
         handles = []
         t0 = time.perf_counter()
+        checks = self._verification(plans)
         for r, p in zip(self.requests, plans, strict=True):
             if p:
-                handles.append(self.ep.post(r.rid, p, op, spec.deadline_s))
+                digests, check = checks.get(r.rid, (None, None))
+                handles.append(self.ep.post(r.rid, p, op, spec.deadline_s, digests=digests, check=check))
                 pending.add(r.rid)
             else:
                 self.send("request_done", r.rid)
@@ -249,20 +280,131 @@ class _Worker:
         """Poll until every request in ``pending`` completed, reporting each one as it does."""
         while pending:
             ev = self.ep.poll()
+            self._answer_digests(ev.control)
             for rid in ev.done:
                 pending.discard(rid)
                 self.send("request_done", rid)
+            for err in ev.failed:
+                if err.request_id in pending and "digest mismatch" in str(err):
+                    pending.discard(err.request_id)
+                    self.mismatches.append(str(err))
+                    self.send("request_done", err.request_id)
             self._check_events(ev)
             if pending:
                 time.sleep(POLL_SLEEP_S)
 
-    def _await_pushes(self, senders: dict[str, int]) -> None:
+    def _await_pushes(self, senders: dict[str, int], payloads: dict[int, bytes]) -> None:
         pending = set()
+        policy = VerifyPolicy.parse(self.spec.verify)
+        by_rid = {r.rid: r for r in self.requests}
         for rid, n in senders.items():
             if n:
-                self.ep.expect(rid, self.spec.deadline_s, senders=n)
+                check = self._push_check(by_rid[rid], payloads) if policy.selects(by_rid[rid].index) else None
+                self.ep.expect(rid, self.spec.deadline_s, senders=n, check=check)
                 pending.add(rid)
         self._wait_done(pending)
+
+    # ------------------------------------------------------------------ verification (hybrid_kv.verify)
+
+    def _verification(self, plans: list[list[Any]]) -> dict[str, tuple[dict[Any, int] | None, Any]]:
+        """Per verified request: push: this rank's digest per peer (carried by its done-notices); pull: the
+        check comparing this rank's digest of what landed with each prefill rank's, asked for (and answered)
+        before the READ is posted, so a block the prefill re-writes after its digest fails the request."""
+        policy = VerifyPolicy.parse(self.spec.verify)
+        chosen = [(r, p) for r, p in zip(self.requests, plans, strict=True) if p and policy.selects(r.index)]
+        if not chosen:
+            return {}
+        t0 = time.perf_counter()
+        plan, rank_of = self.planner.plan_, self.link.rank_of
+        out: dict[str, tuple[dict[Any, int] | None, Any]] = {}
+        if self.spec.mode == "push":
+            for r, p in chosen:
+                mine = initiator_digests(self.digester, plan, p, rank_of, "xxh3")
+                out[r.rid] = ({k: d.digest for k, d in mine.items()}, None)
+        else:
+            answers = self._ask_digests([r for r, _ in chosen])
+            for r, p in chosen:
+                out[r.rid] = (None, self._pull_check(r.rid, p, answers[r.rid]))
+        self.digest_s += time.perf_counter() - t0
+        self.digested += len(chosen)
+        return out
+
+    def _ask_digests(self, requests: list[Request]) -> dict[str, dict[int, tuple[int | None, str]]]:
+        """Ask every prefill rank this rank reads from for its digest of each request; wait for all answers."""
+        want = {(r.rid, t) for r in requests for t in self.link.targets}
+        for r in requests:
+            ask = encode_message(DigestAsk(r.rid, r.decode_ids, self.payload, True, "xxh3", self.ep.address))
+            for t in self.link.targets:
+                self.ep.send_control(self.link.addresses[t], ask, 10.0, expected_name=f"prefill-{t}")
+        got: dict[str, dict[int, tuple[int | None, str]]] = {r.rid: {} for r in requests}
+        end = time.monotonic() + self.spec.deadline_s
+        while want:
+            for c in self.ep.poll().control:
+                msg = decode_message(c.payload)
+                rank = int(c.sender.rsplit("-", 1)[1]) if c.sender.startswith("prefill-") else -1
+                if isinstance(msg, DigestAnswer) and (msg.req, rank) in want:
+                    want.discard((msg.req, rank))
+                    got[msg.req][rank] = (int(msg.digest, 16) if msg.digest else None, msg.error)
+            if time.monotonic() > end:
+                raise TimeoutError(f"no digest from prefill ranks for {sorted(want)[:4]} within the deadline")
+            time.sleep(POLL_SLEEP_S)
+        return got
+
+    def _corrupt_landed(self, rid: str) -> None:
+        """Fault injection (``corrupt_landed``): flip a byte of the first request's first block on decode rank 0,
+        after its bytes landed and before its digest."""
+        first = self.requests[0]
+        if self.spec.corrupt_landed and self.spec.rank == 0 and rid == first.rid:
+            self.pools[0][first.decode_ids[0][0] * self.side.geometry.page_bytes + 3] ^= 0x10
+
+    def _pull_check(self, rid: str, transfers: list[Any], theirs: dict[int, tuple[int | None, str]]) -> Any:
+        def check() -> str | None:
+            self._corrupt_landed(rid)
+            t0 = time.perf_counter()
+            mine = initiator_digests(self.digester, self.planner.plan_, transfers, self.link.rank_of, "xxh3")
+            self.digest_s += time.perf_counter() - t0
+            for peer, d in mine.items():
+                p_rank = self.link.rank_of(peer)
+                reason = compare(d, theirs[p_rank][0], p_rank, self.spec.rank)
+                if reason is not None:
+                    return reason + (f": {theirs[p_rank][1]}" if theirs[p_rank][1] else "")
+            return None
+
+        return check
+
+    def _push_check(self, r: Request, payloads: dict[int, bytes]) -> Any:
+        """The decode's check of a pushed request: each writer's digest against this rank's digest of the bytes
+        that landed, the moves rebuilt from the writer's payload (its plan, mirrored)."""
+
+        def check(digests: dict[str, int | None]) -> str | None:
+            self._corrupt_landed(r.rid)
+            t0 = time.perf_counter()
+            try:
+                for sender, theirs in sorted(digests.items()):
+                    p_rank = int(sender.rsplit("-", 1)[1])
+                    mirror = self.mirrors.get(payloads[p_rank], True)
+                    mine = self.digester.digest(mirror.moves(r.prefill_ids, r.decode_ids), "remote", "xxh3")
+                    reason = compare(mine, theirs, p_rank, self.spec.rank)
+                    if reason is not None:
+                        return reason
+                return None
+            finally:
+                self.digest_s += time.perf_counter() - t0
+                self.digested += 1
+
+        return check
+
+    def _answer_digests(self, controls: list[Any]) -> None:
+        """Prefill in pull mode: answer each decode rank's digest ask for one of this batch's requests."""
+        by_rid = {r.rid: r for r in self.requests}
+        for c in controls:
+            msg = decode_message(c.payload)
+            if not isinstance(msg, DigestAsk):
+                continue
+            own = by_rid[msg.req].prefill_ids if msg.req in by_rid else []
+            reply = answer(self.mirrors, self.digester, msg, own)
+            self.digested += 1
+            self.ep.send_control(msg.reply_to, encode_message(reply), 10.0, expected_name=c.sender)
 
     def _corrupt(self, where: str) -> None:
         """Fault injection (tests): flip one byte that verification must catch."""

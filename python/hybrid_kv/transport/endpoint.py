@@ -421,21 +421,36 @@ class Endpoint:
         transfers: Iterable[Transfer | tuple[Any, ...]],
         op: Op,
         deadline_s: float,
+        *,
+        digests: Mapping[PeerKey, int] | None = None,
+        check: Callable[[], str | None] | None = None,
     ) -> RequestHandle:
         """Check and post a request: every transfer READs (pull) or WRITEs (push) with one peer.
 
         Ids are checked against the tables (and descriptor lengths pairwise) before anything is
         posted. A request to a peer still connecting is queued until its handshake ends.
 
+        Verified transfers (``hybrid_kv.verify``): ``digests`` gives, per peer, this side's digest of the rank
+        pair's moves, carried by every done-notice of the request to that peer (push: the decode compares it
+        with its own); ``check`` is called once every transfer is DONE, and a reason it returns (a digest
+        mismatch) fails the request instead of completing it (pull: this side compares its digest with the
+        peer's). A check that raises fails the request with the exception as the reason.
+
         Raises:
             TransferError: bad op, duplicate request id, unknown peer or table, peer down, an id out
                 of range (the message names it and the limit), or descriptor lengths that differ.
         """
         self._check_open()
-        return self._requests.post(request_id, transfers, op, deadline_s)
+        return self._requests.post(request_id, transfers, op, deadline_s, digests, check)
 
     def expect(
-        self, request_id: str, deadline_s: float, senders: int = 1, *, writers: Iterable[str] | None = None
+        self,
+        request_id: str,
+        deadline_s: float,
+        senders: int = 1,
+        *,
+        writers: Iterable[str] | None = None,
+        check: Callable[[dict[str, int | None]], str | None] | None = None,
     ) -> RequestHandle:
         """Await a peer-initiated request (push mode: the peer WRITEs into us).
 
@@ -444,14 +459,17 @@ class Endpoint:
         ``writers``: the NIXL agent names of exactly the peers that write it (``senders`` is then their
         number): it completes once each of them landed everything, and only their notices count (anyone
         else's done- or fail-notices for ``request_id`` are dropped).
+        ``check``: called once all landed with the digest each sender's notices carried (``None``: none;
+        ``inbox.INCONSISTENT``: notices that disagree); a reason it returns fails the request instead.
         """
         self._check_open()
         self._requests.ensure_new(request_id)
         if writers is None:
-            return self._requests.expect(request_id, deadline_s, senders, self._inbox.take_landed(request_id))
+            seen = self._inbox.take_landed(request_id)
+            return self._requests.expect(request_id, deadline_s, senders, seen, check)
         names = frozenset(writers)
         seen = self._inbox.expect_from(request_id, names, deadline_s)
-        return self._requests.expect(request_id, deadline_s, len(names), seen)
+        return self._requests.expect(request_id, deadline_s, len(names), seen, check)
 
     def poll(self) -> PollResult:
         """Progress everything once and return what happened since the last call (never blocks)."""

@@ -6,7 +6,9 @@ request_id)``; ``forget()`` drops a sender's partial sets when that peer goes do
 since the missing notices will never come. A sender that is not a connected peer (the passive side of
 pull mode) can die mid-request unseen, so a partial set still incomplete ``PARTIAL_TTL_S`` after its
 first notice is given up and reported like a failure notice. Completed requests nobody awaits yet are
-remembered (up to ``LANDED_MEMORY``) for a later ``expect()``.
+remembered (up to ``LANDED_MEMORY``) for a later ``expect()``, with the digest their notices carried (a
+verified request's notices to one peer all carry the sender's digest of the rank pair; one set whose notices
+disagree is kept as ``INCONSISTENT``, which no digest equals).
 
 Notices are untrusted (any agent that loaded our metadata can send them): ``notifications.parse`` bounds
 each one, a sender holds at most ``MAX_PARTIAL_PER_SENDER`` partial sets and all senders together
@@ -21,13 +23,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Any
 
 from . import notifications
 from .agent import Agent
 from .inflight import InFlight
 from .requests import RemoteEvent
 
-__all__ = ["LANDED_MEMORY", "MAX_PARTIAL", "MAX_PARTIAL_PER_SENDER", "PARTIAL_TTL_S", "Inbox"]
+__all__ = ["INCONSISTENT", "LANDED_MEMORY", "MAX_PARTIAL", "MAX_PARTIAL_PER_SENDER", "PARTIAL_TTL_S", "Inbox"]
 
 log = logging.getLogger("hybrid_kv.transport.inbox")
 
@@ -35,6 +38,8 @@ LANDED_MEMORY = 4096  # passive completions remembered for a later expect()
 PARTIAL_TTL_S = 600.0  # a sender's partial done-notices for a request are given up this long after the first
 MAX_PARTIAL_PER_SENDER = 1024  # requests one sender may have partly landed at once
 MAX_PARTIAL = 16384  # the same, all senders together
+INCONSISTENT = -1
+"""The digest of a done-set whose notices carried different digests (or some none): never a sender's digest."""
 
 
 class Inbox:
@@ -48,10 +53,11 @@ class Inbox:
     def __init__(self, agent: Agent, requests: InFlight) -> None:
         self._agent = agent
         self._requests = requests
-        # (sender, request id) -> [first notice's time, count, bitmask of the indices seen]
-        self._parts: dict[tuple[str, str], list[int | float]] = {}
+        # (sender, request id) -> [first notice's time, count, bitmask of the indices seen, digest]
+        self._parts: dict[tuple[str, str], list[Any]] = {}
         self._per_sender: collections.Counter[str] = collections.Counter()
-        self._landed: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
+        # request id -> {sender: digest its notices carried (None: none)}
+        self._landed: collections.OrderedDict[str, dict[str, int | None]] = collections.OrderedDict()
         self._writers: dict[str, tuple[float, frozenset[str]]] = {}  # request id -> (until, its only writers)
         self._dropped: collections.Counter[str] = collections.Counter()  # notices dropped, by reason
         self._next_expiry = 0.0
@@ -78,17 +84,18 @@ class Inbox:
                     self._failed(sender, notice.request_id, notice.reason)
         self._expire(time.monotonic())
 
-    def take_landed(self, request_id: str) -> set[str]:
-        """The senders that already landed everything for ``request_id``, forgotten here."""
-        return self._landed.pop(request_id, set())
+    def take_landed(self, request_id: str) -> dict[str, int | None]:
+        """The senders that already landed everything for ``request_id`` (with the digest their notices
+        carried), forgotten here."""
+        return self._landed.pop(request_id, {})
 
-    def expect_from(self, request_id: str, writers: frozenset[str], deadline_s: float) -> set[str]:
+    def expect_from(self, request_id: str, writers: frozenset[str], deadline_s: float) -> dict[str, int | None]:
         """Accept notices for ``request_id`` only from agents ``writers`` until its deadline (plus a second);
-        returns those of them that already landed everything for it."""
+        returns those of them that already landed everything for it, with their digests."""
         self._writers[request_id] = (time.monotonic() + deadline_s + 1.0, writers)
         for key in [k for k in self._parts if k[1] == request_id and k[0] not in writers]:
             self._pop_part(key)
-        return self.take_landed(request_id) & writers
+        return {s: d for s, d in self.take_landed(request_id).items() if s in writers}
 
     def forget(self, sender: str) -> None:
         """Drop the partially received done-notices of agent ``sender`` (it went down or was dropped)."""
@@ -110,7 +117,7 @@ class Inbox:
         self._next_expiry = now + PARTIAL_TTL_S / 8
         for rid in [r for r, (until, _) in self._writers.items() if until <= now]:
             del self._writers[rid]
-        for (sender, request_id), (first, _, mask) in list(self._parts.items()):
+        for (sender, request_id), (first, _, mask, _) in list(self._parts.items()):
             if now - first >= PARTIAL_TTL_S:
                 self._pop_part((sender, request_id))
                 reason = (
@@ -142,19 +149,22 @@ class Inbox:
             ):
                 self._drop(f"done-notice for {notice.request_id!r} from {sender!r}: too many partly landed requests")
                 return
-            part = [time.monotonic(), notice.count, 0]
+            part = [time.monotonic(), notice.count, 0, notice.digest]
             if notice.count > 1:
                 self._parts[key] = part
                 self._per_sender[sender] += 1
         elif part[1] != notice.count:
             self._drop(f"done-notice for {notice.request_id!r} from {sender!r}: count {notice.count}, was {part[1]}")
             return
+        elif part[3] != notice.digest:
+            part[3] = INCONSISTENT
         part[2] = int(part[2]) | (1 << notice.index)
         if int(part[2]).bit_count() < notice.count:
             return
         self._pop_part(key)
         self._requests.events.remote_done.append(RemoteEvent(sender, notice.request_id))
-        if not self._requests.passive_landed(notice.request_id, sender):
-            self._landed.setdefault(notice.request_id, set()).add(sender)
+        digest = part[3]
+        if not self._requests.passive_landed(notice.request_id, sender, digest):
+            self._landed.setdefault(notice.request_id, {})[sender] = digest
             while len(self._landed) > LANDED_MEMORY:
                 self._landed.popitem(last=False)

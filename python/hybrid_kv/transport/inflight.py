@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -57,7 +57,13 @@ class InFlight:
             raise TransferError(f"request id {request_id!r} is already in flight", request_id=request_id)
 
     def post(
-        self, request_id: str, transfers: Iterable[Transfer | tuple[Any, ...]], op: Op, deadline_s: float
+        self,
+        request_id: str,
+        transfers: Iterable[Transfer | tuple[Any, ...]],
+        op: Op,
+        deadline_s: float,
+        digests: Mapping[PeerKey, int] | None = None,
+        check: Callable[[], str | None] | None = None,
     ) -> RequestHandle:
         """Check and post an active request (see ``Endpoint.post``); its deadline starts once checked."""
         if op not in ("READ", "WRITE"):
@@ -67,15 +73,26 @@ class InFlight:
         if not checked:
             raise TransferError(f"request {request_id!r} has no transfers", request_id=request_id)
         req = RequestHandle(request_id, op, checked, time.monotonic() + deadline_s)
+        req.digests = dict(digests or {})
+        req.check = check
         self._by_id[request_id] = req
         if all(self._peers[t.peer].state == "ready" for t in checked):
             self._start(req)
         return req
 
-    def expect(self, request_id: str, deadline_s: float, senders: int, seen: set[str]) -> RequestHandle:
-        """Await a passive request from ``senders`` peers, ``seen`` of which already landed everything."""
+    def expect(
+        self,
+        request_id: str,
+        deadline_s: float,
+        senders: int,
+        seen: Mapping[str, int | None],
+        check: Callable[[dict[str, int | None]], str | None] | None = None,
+    ) -> RequestHandle:
+        """Await a passive request from ``senders`` peers, ``seen`` of which already landed everything (with the
+        digests their notices carried); ``check`` is run on the digests by sender once all landed."""
         req = RequestHandle(request_id, None, (), time.monotonic() + deadline_s, RequestState.POSTED, _senders=senders)
-        req._seen = seen
+        req._seen = dict(seen)
+        req.check = check
         self._by_id[request_id] = req
         self._complete_if_all_senders(req)
         return req
@@ -98,12 +115,13 @@ class InFlight:
             if req.state is RequestState.QUEUED:
                 self._start_if_ready(req)
 
-    def passive_landed(self, request_id: str, sender: str) -> bool:
-        """``sender`` landed all its transfers for ``request_id``; whether a passive request took it."""
+    def passive_landed(self, request_id: str, sender: str, digest: int | None = None) -> bool:
+        """``sender`` landed all its transfers for ``request_id`` (its notices carried ``digest``); whether a
+        passive request took it."""
         req = self._by_id.get(request_id)
         if req is None or req.op is not None or req.finished:
             return False
-        req._seen.add(sender)
+        req._seen[sender] = digest
         self._complete_if_all_senders(req)
         return True
 
@@ -219,7 +237,7 @@ class InFlight:
         req.state = RequestState.POSTED
         assert req.op is not None
         for i, t in enumerate(req.transfers):  # make every handle before posting any
-            msg = notifications.done_message(req.request_id, index[t.peer], per_peer[t.peer])
+            msg = notifications.done_message(req.request_id, index[t.peer], per_peer[t.peer], req.digests.get(t.peer))
             index[t.peer] += 1
             peer = self._peers[t.peer]
             try:
@@ -293,11 +311,24 @@ class InFlight:
 
     def _finish_if_done(self, req: RequestHandle) -> None:
         if all(req._done):
-            self._complete(req)
+            self._verified_complete(req, ())
 
     def _complete_if_all_senders(self, req: RequestHandle) -> None:
         if len(req._seen) >= req._senders:
-            self._complete(req)
+            self._verified_complete(req, (dict(req._seen),))
+
+    def _verified_complete(self, req: RequestHandle, args: tuple[Any, ...]) -> None:
+        """Complete ``req``, or fail it when its check finds a reason (a digest mismatch); a check that raises
+        fails the request too, never the caller of ``poll()``."""
+        if req.check is not None:
+            try:
+                reason = req.check(*args)
+            except Exception as exc:  # noqa: BLE001 - a broken check fails its request only
+                reason = f"verification failed: {type(exc).__name__}: {exc}"
+            if reason is not None:
+                self.fail(req, reason, notify=req.op is not None)
+                return
+        self._complete(req)
 
     def _complete(self, req: RequestHandle) -> None:
         req.state = RequestState.DONE

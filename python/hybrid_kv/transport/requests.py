@@ -4,6 +4,7 @@ what one ``Endpoint.poll()`` reports (``PollResult``)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -106,9 +107,13 @@ class RequestHandle:
     # one slot per transfer: the NIXL xfer handle while it exists, and whether it reached DONE
     _xfers: list[Any] = field(default_factory=list, repr=False)
     _done: list[bool] = field(default_factory=list, repr=False)
-    # passive requests: senders still owed, senders seen
+    # passive requests: senders still owed, senders seen (with the digest their notices carried)
     _senders: int = 0
-    _seen: set[str] = field(default_factory=set, repr=False)
+    _seen: dict[str, int | None] = field(default_factory=dict, repr=False)
+    # verification (``hybrid_kv.verify``): the digest each peer's done-notices carry (active), and the check run
+    # once the request's bytes all landed: active ``() -> reason | None``, passive ``(digests by sender) -> ...``
+    digests: dict[PeerKey, int] = field(default_factory=dict, repr=False)
+    check: Callable[..., str | None] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:

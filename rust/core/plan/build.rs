@@ -49,9 +49,34 @@ impl PeerPlan {
         mode: TransferMode,
         coalesce: bool,
     ) -> Result<PeerPlan, PlanError> {
+        PeerPlan::build(local, remotes, mode, coalesce, false)
+    }
+
+    /// The plan of `local` restricted to `remotes`, some of the ranks it covers (at least one): exactly the
+    /// tables, routes and ids the whole plan has for those ranks, whose other routes are left out. A passive
+    /// rank rebuilds its initiator's plan this way from the two payloads it knows (`mirror.rs`).
+    ///
+    /// # Errors
+    /// As [`PeerPlan::new`]; `RemoteRanks` when a rank given is not one `local` covers.
+    pub fn for_ranks(
+        local: &RegionTable,
+        remotes: &[AgentMeta],
+        mode: TransferMode,
+        coalesce: bool,
+    ) -> Result<PeerPlan, PlanError> {
+        PeerPlan::build(local, remotes, mode, coalesce, true)
+    }
+
+    fn build(
+        local: &RegionTable,
+        remotes: &[AgentMeta],
+        mode: TransferMode,
+        coalesce: bool,
+        partial: bool,
+    ) -> Result<PeerPlan, PlanError> {
         let first = check_remotes(remotes, mode)?;
         let groups = local.groups.clone();
-        let mapping = map_ranks(local, remotes, first, &groups)?;
+        let mapping = map_ranks(local, remotes, first, &groups, partial)?;
         let units = BlockUnits::new(local.geometry.kernel_block_size, first.kernel_block_size)?;
         check_remote_size(local, first, units, &mapping)?;
         let mut remote_tables = build_remote_tables(local, remotes, &mapping, units)?;
@@ -72,7 +97,9 @@ impl PeerPlan {
         } else {
             TableKey::Bsr(units.local_sub)
         };
-        let (routes, pieces) = routes(local, &mapping, mode, base_key, &groups);
+        let (mut routes, pieces) = routes(local, &mapping, mode, base_key, &groups);
+        // Restricted to some ranks: their routes only (split tables stay as the whole plan cuts them).
+        routes.retain(|r| remote_tables.iter().any(|(rank, _)| *rank == r.remote_rank));
         let mut local_tables = with_split_tables(local, (base_key, base), &pieces, &l_counts)?;
         let (chunks, states) = if coalesce {
             // Only remote ranks some route exchanges attention with ever use chunk ids (an MLA pull reads one
@@ -113,12 +140,13 @@ impl PeerPlan {
 }
 
 /// The TP mapping of the local rank against the remotes' engine, once the remotes given are exactly the ranks
-/// it covers (the handshake targets).
+/// it covers (the handshake targets), or with `partial` some of them, each once.
 fn map_ranks(
     local: &RegionTable,
     remotes: &[AgentMeta],
     first: &AgentMeta,
     groups: &[GroupKind],
+    partial: bool,
 ) -> Result<TpMapping, PlanError> {
     let mapping = TpMapping::compute(
         local.tp_rank,
@@ -130,7 +158,13 @@ fn map_ranks(
     )?;
     let mut given: Vec<u32> = remotes.iter().map(|m| m.tp_rank).collect();
     given.sort_unstable();
-    if given != mapping.covered_ranks() {
+    let covered = mapping.covered_ranks();
+    let fits = if partial {
+        given.windows(2).all(|w| w[0] < w[1]) && given.iter().all(|r| covered.contains(r))
+    } else {
+        given == covered
+    };
+    if !fits {
         return Err(PlanError::RemoteRanks {
             given,
             needed: mapping.covered_ranks(),

@@ -29,6 +29,7 @@ pub mod error;
 mod failed;
 mod ids;
 mod key;
+pub mod mirror;
 pub mod remote;
 mod routes;
 mod rows;
@@ -41,11 +42,14 @@ mod coalesce_tests;
 #[cfg(test)]
 mod failed_tests;
 #[cfg(test)]
+mod mirror_tests;
+#[cfg(test)]
 mod tests;
 
 pub use self::checks::{REMOTE_UNITS_FACTOR, REMOTE_UNITS_FLOOR};
 pub use self::error::{PlanError, Side};
 pub use self::key::TableKey;
+pub use self::mirror::{table_of, Mirror};
 
 use std::sync::Arc;
 

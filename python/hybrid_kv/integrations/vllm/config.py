@@ -80,6 +80,13 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
         "run the side channel without the shared secret (`HYBRID_KV_SECRET`); only on trusted networks",
     ),
     "coalesce": ("HYBRID_KV_COALESCE", True, "post runs of consecutive blocks as chunk descriptors (nixl >= 1.5)"),
+    "verify": (
+        "HYBRID_KV_VERIFY",
+        "off",
+        "end-to-end transfer digests, decided by the decode engine: `off`, `all`, or `sampled:N` (every Nth "
+        "request it loads, 1 <= N <= 1048576); both sides digest their side of the request's byte moves and a "
+        "mismatch fails the request like any failed transfer (`kv_load_failure_policy`)",
+    ),
 }
 
 
@@ -124,6 +131,7 @@ class ConnectorConfig:
     ucx_tls: str | None
     insecure: bool
     coalesce: bool
+    verify: str
 
     @classmethod
     def resolve(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -178,6 +186,12 @@ class ConnectorConfig:
                         ipaddress.ip_network(item.strip(), strict=False)
                 except ValueError:
                     raise ConfigError(f"hybrid-kv setting 'peer_networks': {item.strip()!r} is not a CIDR") from None
+        from ...verify import VerifyPolicy
+
+        try:
+            values["verify"] = str(VerifyPolicy.parse(values["verify"]))
+        except ValueError as exc:
+            raise ConfigError(f"hybrid-kv setting 'verify': {exc}") from None
         values["advertise_host"] = advertise
         return cls(**values)
 

@@ -15,7 +15,12 @@ Every message about a prefill request carries the ``grant`` of the ticket the pr
   the ticket's ``max_expires_at``).
 - ``PushReg`` (decode -> prefill, push): write the request into these decode blocks of engine ``engine``
   (sent by that engine's rank, which the prefill checks against the sender's name).
-- ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank.
+- ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank (and, when the
+  decode asked for verification, the sender's payload, from which the decode rebuilds its moves).
+- ``VerifyAsk`` (decode -> prefill, pull, ``verify``): digest your side of this request's moves with this
+  decode rank (rebuilt from its payload and block ids; the prefill's own ids are its lease's) and answer to
+  this rank's side channel; sent before the READ is posted.
+- ``VerifyAnswer`` (prefill -> decode): the digest (16 hex digits), or why there is none.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Annotated
 import msgspec
 
 from ...limits import MAX_TP_SIZE
+from ...verify import MAX_PAYLOAD_BYTES, Algo
 from .tickets import BlockIdLists, Grant, Name, RequestId, WallTime
 
 __all__ = [
@@ -37,6 +43,8 @@ __all__ = [
     "Refusals",
     "Release",
     "Renew",
+    "VerifyAnswer",
+    "VerifyAsk",
     "decode",
     "encode",
     "rank_of",
@@ -67,23 +75,52 @@ class Renew(msgspec.Struct, tag="renew", tag_field=TAG_FIELD, frozen=True, forbi
     until: WallTime
 
 
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+Payload = Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
+Hex = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{16})?$")]
+Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
 class PushReg(msgspec.Struct, tag="push_reg", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
     p_req: RequestId
     grant: Grant
     d_req: RequestId
     ids: BlockIdLists
     engine: Name
-    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    host: Host
     port: Port  # side channel of the decode engine's TP rank 0
     tp: TpSize
+    verify: bool = False  # the decode checks this request's digests (the writers put theirs in their notices)
 
 
 class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
     d_req: RequestId
     writes: bool
+    payload: Payload = b""  # verified requests: the writer's handshake payload
+    coalesce: bool = True  # ... and its coalesce setting (its moves are cut by it)
 
 
-Control = Release | Renew | PushReg | PushPlan
+class VerifyAsk(msgspec.Struct, tag="verify_ask", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    req: RequestId  # the prefill request
+    grant: Grant
+    d_req: RequestId  # the decode request (echoed)
+    ids: BlockIdLists  # the decode rank's block ids
+    payload: Payload  # the decode rank's handshake payload
+    coalesce: bool
+    algo: Algo
+    host: Host  # the decode rank's side channel, where the answer goes
+    port: Port
+
+
+class VerifyAnswer(msgspec.Struct, tag="verify_answer", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    d_req: RequestId
+    digest: Hex  # empty with ``error``
+    bytes: Count
+    moves: Count
+    error: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
+Control = Release | Renew | PushReg | PushPlan | VerifyAsk | VerifyAnswer
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)

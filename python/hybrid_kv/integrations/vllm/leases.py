@@ -102,7 +102,7 @@ class LeaseBook:
 
     def on_message(self, sender: str, msg: Control) -> str | None:
         """Apply a control message from authenticated ``sender``; the reason it was refused, or ``None``."""
-        if not isinstance(msg, Release | Renew | PushReg):
+        if not isinstance(msg, Release | Renew | PushReg):  # verification messages are the worker's
             return f"{type(msg).__name__} is not a message for a prefill lease"
         rid = self._req_of(msg)
         lease = self.leases.get(rid)

@@ -35,6 +35,7 @@ class RecvReq:
     max_lease_expires_at: float | None = None
     grant: bytes = b""  # the ticket's grant: every control message about this request carries it
     refused: str | None = None
+    verify: bool = False  # check this request's transfer digests end to end (the scheduler's ``verify`` choice)
 
     @classmethod
     def refusal(cls, request_id: str, local_block_ids: BlockIds, reason: str) -> RecvReq:

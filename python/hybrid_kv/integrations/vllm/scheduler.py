@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_block
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
 from ...transport.auth import resolve_secret
+from ...verify import VerifyPolicy
 from .config import ConnectorConfig
 from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease
 from .params import TransferParams, parse_networks
@@ -68,6 +69,8 @@ class SchedulerHalf:
         )
         self.params = TransferParams(self.tickets, cfg.mode, len(groups), parse_networks(cfg.peer_networks))
         self._aborted: set[str] = set()
+        self._verify = VerifyPolicy.parse(cfg.verify)
+        self._loads = 0  # requests loaded from a prefill engine so far (``verify=sampled:N`` counts them)
         self.stats = HybridKvStats()
         log.info(
             "hybrid-kv scheduler %s: mode %s, side channel %s:%d (TP %d), HMA %s",
@@ -170,7 +173,15 @@ class SchedulerHalf:
             lease_expires_at=ticket.expires_at,
             max_lease_expires_at=ticket.max_expires_at,
             grant=ticket.grant,
+            verify=self._verify_next(),
         )
+
+    def _verify_next(self) -> bool:
+        """Whether the next request loaded from a prefill engine is verified (``verify``: every one, every Nth, or
+        none; decided here so every worker of the request agrees)."""
+        chosen = self._verify.selects(self._loads)
+        self._loads += 1
+        return chosen
 
     def build_connector_meta(self, scheduler_output: Any) -> HybridKvMetadata:
         t0 = time.perf_counter()

@@ -26,6 +26,8 @@ COUNTERS = (
     "num_expired_leases",
     "num_refused_tickets",
     "num_lease_renewals",
+    "num_verified_transfers",
+    "num_digest_mismatches",
 )
 # Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
 # parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
@@ -135,6 +137,14 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "num_lease_renewals": (
                 "vllm:hybrid_kv_num_lease_renewals",
                 "Prefill leases a decode renewed while its handshake was still running.",
+            ),
+            "num_verified_transfers": (
+                "vllm:hybrid_kv_num_verified_transfers",
+                "Decode requests whose end-to-end transfer digests were compared (setting verify).",
+            ),
+            "num_digest_mismatches": (
+                "vllm:hybrid_kv_num_digest_mismatches",
+                "Decode requests failed because a transfer digest differed (corrupted or stale bytes).",
             ),
         }
         self._hist = {

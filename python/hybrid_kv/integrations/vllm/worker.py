@@ -16,14 +16,25 @@ Completion, in both modes, is reported over the side channel (authenticated cont
   rank, once the request finished on its side and a registration arrived, plans and WRITEs, then tells every
   decode rank it handshakes with whether it writes to it (``push_plan``); a decode rank then awaits exactly
   the writers' done-notices.
+
+Verified transfers (setting ``verify``, ``hybrid_kv.verify``; the decode's scheduler marks the requests): in
+pull, a decode rank asks each prefill rank it reads from for its digest (``verify_ask``: the prefill digests
+its side of the request's moves, rebuilt from the decode's payload and ids and its own lease's ids, while it
+holds the lease) and posts the READ once every answer came; once the READ is done it digests what landed and
+a mismatch fails the request. In push, the registration asks for it: each writer digests its side before
+posting, the digest rides in its done-notices and its payload in its ``push_plan``, and the decode checks once
+the bytes landed. A failed check is a failed load (``kv_load_failure_policy``); nothing raises into vLLM.
 """
 
 from __future__ import annotations
 
+import collections
+import hmac
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +45,19 @@ from ..._core import RegionTable, compat_hash, handshake_target_ranks
 from ...link_pool import LinkPool
 from ...peer_link import PeerLink, PreparedLink, attach_link, prepare_link, target_addresses
 from ...transport import Endpoint, RequestHandle, Transfer, TransferError
+from ...verify import (
+    Digester,
+    MirrorCache,
+    algorithm,
+    compare,
+    initiator_digests,
+    payload_mem_type,
+    peer_digest,
+)
 from . import control
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, engine_facts, rank_table
-from .leases import LeaseBook, renewal_until
+from .leases import EARLY_TTL_S, MAX_EARLY, LeaseBook, renewal_until
 from .metadata import BlockIds, HybridKvMetadata, RecvReq
 from .params import host_allowed, parse_networks
 from .stats import HybridKvStats
@@ -117,6 +137,15 @@ class WorkerHalf:
         self._waiting: dict[str, list[tuple[float, RecvReq | str]]] = {}  # engine -> (deadline, request)
         # control messages (releases, push registrations and plans) go out on their own thread, in order
         self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-control-{self.name}")
+        # verified transfers: the digester of this rank's memory, mirrors of initiators' plans, the algorithm per
+        # peer engine; decode (pull) requests waiting for their prefill ranks' digests; prefill asks that came
+        # before their lease (kept ``EARLY_TTL_S``, at most ``MAX_EARLY``)
+        self.digester: Digester | None = None
+        self.mirrors: MirrorCache | None = None
+        self._algos: dict[str, str] = {}
+        self.verify_wait: dict[str, dict[str, Any]] = {}
+        self._early_asks: collections.deque[tuple[float, str, control.VerifyAsk]] = collections.deque()
+        self.after_digest: Callable[[str, BlockIds], None] | None = None  # tests: fault injection after a digest
 
     # ------------------------------------------------------------------ registration
 
@@ -140,6 +169,8 @@ class WorkerHalf:
             "prefix_caching": bool(self.vllm_config.cache_config.enable_prefix_caching),
         }
         self.payload = self.table.handshake_payload(info)
+        self.digester = Digester(self.table, list(kv_caches.values()))
+        self.mirrors = MirrorCache(self.payload)
         if self.cfg.ucx_tls:
             os.environ["UCX_TLS"] = self.cfg.ucx_tls
         self.server = Endpoint(
@@ -279,6 +310,9 @@ class WorkerHalf:
         assert self.server is not None
         t0 = time.perf_counter()
         link = attach_link(self.server, prepared, prepared.engine_id, timeout_s=self.cfg.handshake_timeout_s)
+        assert self.table is not None
+        peer_mem = [payload_mem_type(r.payload) for r in prepared.replies.values()]
+        self._algos[prepared.engine_id] = algorithm(self.table.mem_type, *peer_mem)
         log.info(
             "hybrid-kv %s: connected to %s ranks %s (tp ratio %d) in %.1f ms",
             self.name,
@@ -350,19 +384,197 @@ class WorkerHalf:
             return
         if _lease_over(req.lease_expires_at):
             raise TransferError(f"the prefill engine's lease on {req.remote_request_id!r} expired before the read")
-        self._post(req.request_id, "recv", link, transfers, "READ", self.cfg.transfer_timeout_s, req.local_block_ids)
+        if req.verify:
+            self._ask_digests(req, link, transfers, releases)
+            return
+        self._post_pull(req, link, transfers, releases, None)
+
+    def _post_pull(
+        self,
+        req: RecvReq,
+        link: PeerLink,
+        transfers: list[Transfer],
+        releases: list[tuple[str, bytes, str]],
+        check: Callable[[], str | None] | None,
+    ) -> None:
+        ids = req.local_block_ids
+        self._post(req.request_id, "recv", link, transfers, "READ", self.cfg.transfer_timeout_s, ids, check=check)
         job = self.inflight[req.request_id]
         job.release = releases
         job.lease_expires_at = req.lease_expires_at
 
     def _post(
-        self, rid: str, role: str, link: PeerLink, transfers: list[Transfer], op: Any, timeout: float, ids: BlockIds
+        self,
+        rid: str,
+        role: str,
+        link: PeerLink,
+        transfers: list[Transfer],
+        op: Any,
+        timeout: float,
+        ids: BlockIds,
+        *,
+        digests: dict[Any, int] | None = None,
+        check: Callable[[], str | None] | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        handle = link.ep.post(rid, transfers, op, timeout)
+        handle = link.ep.post(rid, transfers, op, timeout, digests=digests, check=check)
         self.stats.add_time("worker_post_s", time.perf_counter() - t0)
         nids = sum(int(t.local_ids.size) for t in transfers)
         self.inflight[rid] = _Inflight(rid, role, link, transfers, time.perf_counter(), handle, nids, ids)
+
+    # ------------------------------------------------------------------ verified transfers
+
+    def _ask_digests(
+        self, req: RecvReq, link: PeerLink, transfers: list[Transfer], releases: list[tuple[str, bytes, str]]
+    ) -> None:
+        """Pull, ``verify``: ask every prefill rank this rank reads from for its digest of the request; the READ
+        is posted once all answered (``_on_verify_answer``), or the request fails at ``transfer_timeout_s``."""
+        algo = self._algos.get(link.engine_id, "xxh3")
+        ask = control.VerifyAsk(
+            req=req.remote_request_id,
+            grant=req.grant,
+            d_req=req.request_id,
+            ids=req.local_block_ids,
+            payload=self.payload,
+            coalesce=self.cfg.coalesce,
+            algo=algo,
+            host=self.cfg.advertise_host,
+            port=self.port,
+        )
+        names = {worker_name(link.engine_id, r): r for r in link.targets}
+        self.verify_wait[req.request_id] = {
+            "req": req,
+            "link": link,
+            "transfers": transfers,
+            "releases": releases,
+            "names": names,
+            "answers": {},
+            "algo": algo,
+            "deadline": time.monotonic() + self.cfg.transfer_timeout_s,
+        }
+        msg = control.encode(ask)
+        self._send_controls(link.ep, [(link.addresses[r], msg, name) for name, r in names.items()])
+
+    def _on_verify_answer(self, sender: str, msg: control.VerifyAnswer) -> None:
+        """A prefill rank's digest for one of our pull requests: only the ranks asked answer, once each; the READ
+        is posted when all did."""
+        wait = self.verify_wait.get(msg.d_req)
+        if wait is None:
+            self._refused(sender, f"digest for {msg.d_req!r}, which awaits none")
+            return
+        rank = wait["names"].get(sender)
+        if rank is None or rank in wait["answers"]:
+            self._refused(sender, f"digest for {msg.d_req!r} from a sender that is not a prefill rank it asked")
+            return
+        wait["answers"][rank] = (int(msg.digest, 16) if msg.digest else None, msg.error)
+        if len(wait["answers"]) < len(wait["names"]):
+            return
+        del self.verify_wait[msg.d_req]
+        req, link = wait["req"], wait["link"]
+        try:
+            missing = {r: err for r, (d, err) in wait["answers"].items() if d is None}
+            if missing:  # nothing to compare with: fail now instead of reading
+                self.stats.count("num_digest_mismatches")
+                raise TransferError(f"no digest from prefill ranks {missing} (nothing read)")
+            if _lease_over(req.lease_expires_at):
+                raise TransferError(f"the prefill engine's lease on {req.remote_request_id!r} expired before the read")
+            check = self._pull_check(link, wait["transfers"], wait["answers"], wait["algo"])
+            self._post_pull(req, link, wait["transfers"], wait["releases"], check)
+        except Exception as exc:  # noqa: BLE001 - report, never crash a step
+            self._job_failed(req, str(exc))
+            self._send_controls(link.ep, wait["releases"])
+
+    def _pull_check(
+        self, link: PeerLink, transfers: list[Transfer], answers: dict[int, tuple[int | None, str]], algo: str
+    ) -> Callable[[], str | None]:
+        """The check run once a verified READ is done: this rank's digest of what landed against each prefill
+        rank's answer; a mismatch is the request's failure reason."""
+
+        def check() -> str | None:
+            assert self.digester is not None
+            self.stats.count("num_verified_transfers")
+            mine = initiator_digests(self.digester, link.plan, transfers, link.rank_of, algo)
+            for peer, d in mine.items():
+                p_rank = link.rank_of(peer)
+                theirs, error = answers.get(p_rank, (None, "no answer"))
+                reason = compare(d, theirs, p_rank, self.tp_rank)
+                if reason is not None:
+                    self.stats.count("num_digest_mismatches")
+                    return reason + (f" ({error})" if error else "")
+            return None
+
+        return check
+
+    def _push_check(self, wait: dict[str, Any]) -> Callable[[dict[str, int | None]], str | None]:
+        """Push, ``verify``: the decode's check once the writers' bytes landed: each writer's digest (from its
+        done-notices) against this rank's digest of its side of the writer's moves, rebuilt from the payload its
+        ``push_plan`` carried."""
+
+        def check(digests: dict[str, int | None]) -> str | None:
+            assert self.digester is not None and self.mirrors is not None and self.table is not None
+            self.stats.count("num_verified_transfers")
+            for sender, theirs in sorted(digests.items()):
+                payload, coalesce = wait["payloads"].get(sender, (b"", True))
+                p_rank = wait["names"][sender]
+                mirror = self.mirrors.get(payload, coalesce)
+                algo = algorithm(self.table.mem_type, payload_mem_type(payload))
+                mine = self.digester.digest(mirror.moves(wait["remote_ids"], wait["ids"]), "remote", algo)
+                reason = compare(mine, theirs, p_rank, self.tp_rank)
+                if reason is not None:
+                    self.stats.count("num_digest_mismatches")
+                    return reason
+            return None
+
+        return check
+
+    def _on_verify_ask(self, sender: str, msg: control.VerifyAsk) -> None:
+        """Prefill, pull: digest this rank's side of a leased request's moves with the asking decode rank and
+        answer it. Bound to the lease's grant and holder like every lease message; the ids of this side are the
+        lease's own; an ask before its lease waits (bounded)."""
+        lease = self.leases.leases.get(msg.req)
+        if lease is None:
+            self._early_asks.append((time.monotonic() + EARLY_TTL_S, sender, msg))
+            while len(self._early_asks) > MAX_EARLY:
+                self._early_asks.popleft()
+            return
+        if not hmac.compare_digest(lease.grant, msg.grant):
+            self._refused(sender, f"digest ask for {msg.req!r} carries another grant than its ticket's")
+            return
+        engine = sender.rpartition("-tp")[0] or sender
+        if lease.holder is not None and lease.holder != engine:
+            self._refused(sender, f"digest ask for {msg.req!r} from engine {engine!r}; the lease is held by another")
+            return
+        if not host_allowed(msg.host, self._networks):
+            self._refused(sender, f"digest ask for {msg.req!r} answers to {msg.host!r}, outside the peer networks")
+            return
+        lease.holder = engine
+        assert self.mirrors is not None and self.digester is not None and self.server is not None
+        digest, nbytes, moves, error = peer_digest(
+            self.mirrors, self.digester, msg.payload, msg.coalesce, msg.ids, lease.block_ids, msg.algo
+        )
+        if self.after_digest is not None:
+            self.after_digest(msg.req, lease.block_ids)
+        answer = control.encode(
+            control.VerifyAnswer(d_req=msg.d_req, digest=digest, bytes=nbytes, moves=moves, error=error)
+        )
+        self._send_controls(self.server, [(f"tcp://{msg.host}:{msg.port}", answer, sender)])
+
+    def _verify_progress(self) -> None:
+        """Answer asks whose lease arrived; fail pull requests whose digests did not come in time."""
+        now = time.monotonic()
+        if self._early_asks:
+            early, self._early_asks = self._early_asks, collections.deque()
+            for until, sender, ask in early:
+                if ask.req in self.leases.leases:
+                    self._on_verify_ask(sender, ask)
+                elif until > now:
+                    self._early_asks.append((until, sender, ask))
+        for rid, wait in list(self.verify_wait.items()):
+            if now >= wait["deadline"]:
+                del self.verify_wait[rid]
+                missing = sorted(set(wait["names"].values()) - set(wait["answers"]))
+                self._job_failed(wait["req"], f"no digest from prefill ranks {missing} within the transfer timeout")
+                self._send_controls(wait["link"].ep, wait["releases"])
 
     def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes, str]]) -> None:
         """Queue control messages for the control thread: each is a side-channel round trip (up to
@@ -396,6 +608,7 @@ class WorkerHalf:
             host=self.cfg.advertise_host,
             port=self.port - self.tp_rank,
             tp=self.tp_size,
+            verify=req.verify,
         )
         msg = control.encode(reg)
         if not reg.ids:
@@ -415,6 +628,9 @@ class WorkerHalf:
             "writers": set(),  # names (NIXL agents) that write
             "ids": req.local_block_ids,
             "deadline": time.monotonic() + self.cfg.push_registration_timeout_s,
+            "verify": req.verify,
+            "remote_ids": req.remote_block_ids,
+            "payloads": {},  # verified: writer name -> (its payload, its coalesce setting)
         }
         self._send_controls(
             self.server,
@@ -439,6 +655,7 @@ class WorkerHalf:
         wait["answered"].add(rank)
         if msg.writes:
             wait["writers"].add(sender)
+            wait["payloads"][sender] = (msg.payload, msg.coalesce)
         if len(wait["answered"]) < wait["partners"]:
             return
         del self.push_wait[rid]
@@ -446,7 +663,9 @@ class WorkerHalf:
             self.finished_recving.add(rid)
             return
         assert self.server is not None
-        self.server.expect(rid, max(1.0, wait["deadline"] - time.monotonic()), writers=wait["writers"])
+        check = self._push_check(wait) if wait["verify"] else None
+        left = max(1.0, wait["deadline"] - time.monotonic())
+        self.server.expect(rid, left, writers=wait["writers"], check=check)
         self.inflight[rid] = _Inflight(rid, "recv", None, [], time.perf_counter(), None, 0, wait["ids"])
 
     def _match_pushes(self) -> None:
@@ -465,21 +684,27 @@ class WorkerHalf:
                 self.leases.drop(p_req)
                 transfers = link.transfers(local_ids, reg.ids)
                 writers = {link.rank_of(t.peer) for t in transfers}
+                digests = None
+                if transfers and reg.verify:  # the decode checks: digest this side before posting
+                    assert self.digester is not None
+                    algo = self._algos.get(link.engine_id, "xxh3")
+                    mine = initiator_digests(self.digester, link.plan, transfers, link.rank_of, algo)
+                    digests = {peer: d.digest for peer, d in mine.items()}
                 if transfers:
-                    self._post(d_req, "send", link, transfers, "WRITE", self.cfg.transfer_timeout_s, local_ids)
+                    timeout = self.cfg.transfer_timeout_s
+                    self._post(d_req, "send", link, transfers, "WRITE", timeout, local_ids, digests=digests)
                     self.inflight[d_req].request_id = p_req
                 else:
                     self._sent(p_req)
+                payload = self.payload if reg.verify else b""
+                plans = {
+                    r: control.encode(
+                        control.PushPlan(d_req=d_req, writes=r in writers, payload=payload, coalesce=self.cfg.coalesce)
+                    )
+                    for r in link.targets
+                }
                 self._send_controls(
-                    link.ep,
-                    [
-                        (
-                            link.addresses[r],
-                            control.encode(control.PushPlan(d_req=d_req, writes=r in writers)),
-                            worker_name(link.engine_id, r),
-                        )
-                        for r in link.targets
-                    ],
+                    link.ep, [(link.addresses[r], plans[r], worker_name(link.engine_id, r)) for r in link.targets]
                 )
             except Exception as exc:  # noqa: BLE001 - a failed push frees the blocks and is counted
                 self._job_failed(p_req, f"to {d_req}: {exc}")
@@ -528,6 +753,12 @@ class WorkerHalf:
         if isinstance(msg, control.PushPlan):
             self._on_push_plan(sender, msg)
             return
+        if isinstance(msg, control.VerifyAnswer):
+            self._on_verify_answer(sender, msg)
+            return
+        if isinstance(msg, control.VerifyAsk):
+            self._on_verify_ask(sender, msg)
+            return
         reason = self.leases.on_message(sender, msg)
         if reason is not None:
             self._refused(sender, reason)
@@ -547,6 +778,7 @@ class WorkerHalf:
                     self._finish(err.request_id, err)
         if self.cfg.mode == "push":
             self._match_pushes()
+        self._verify_progress()
         for rid, expired in self.leases.take_due():
             if expired:
                 log.warning("hybrid-kv %s: lease of %s expired before its decode engine released it", self.name, rid)

@@ -1,0 +1,173 @@
+//! Transfer digests for Python: `RegionTable.digest` (XXH3-64 of host memory over a plan's byte ranges) and
+//! `MirrorPlan` (a passive rank's copy of its initiator's plan, `core::plan::mirror`).
+//!
+//! `digest` is the one place the binding reads memory it did not allocate: the ranges of a move array, each
+//! checked to lie inside one region of the table it is called on (the memory the caller registered, host
+//! memory only), hashed in move order with the GIL released. The core still never dereferences an address.
+
+use std::sync::Arc;
+
+use numpy::{PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
+
+use super::arrays::u64_matrix;
+use super::errors::{no_panic, Error, Kind};
+use super::handshake::{check_peers, decode_payload};
+use super::ids::block_ids;
+use crate::core::handshake::Expected;
+use crate::core::layout::MemType;
+use crate::core::plan::Mirror;
+use crate::core::RegionTable;
+
+/// The move column a side's addresses are in: `(local_addr, remote_addr, len)`.
+fn column(side: &str) -> Result<usize, Error> {
+    match side {
+        "local" => Ok(0),
+        "remote" => Ok(1),
+        _ => Err(Error::value_error(format!(
+            "side must be 'local' or 'remote', got {side:?}"
+        ))),
+    }
+}
+
+/// Every range `(addr, len)` inside one region of `table` (a binary search over the regions by base), or an
+/// error naming the first that is not.
+fn check_inside(table: &RegionTable, ranges: impl Iterator<Item = (usize, u64, u64)>) -> Result<(), Error> {
+    let mut extents: Vec<(u64, u64)> = table.regions.iter().map(|r| (r.base, r.base + r.bytes)).collect();
+    extents.sort_unstable();
+    for (i, addr, len) in ranges {
+        let inside = extents
+            .partition_point(|&(b, _)| b <= addr)
+            .checked_sub(1)
+            .is_some_and(|k| addr.checked_add(len).is_some_and(|end| end <= extents[k].1));
+        if !inside {
+            return Err(Error::value_error(format!(
+                "move {i}: range {addr:#x}+{len} is not inside a region of this table"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// XXH3-64 (seed 0) of the concatenation of `ranges` in order: how the moves are cut does not change it.
+fn xxh3_ranges(ranges: &[(u64, u64)]) -> u64 {
+    let mut h = Xxh3::new();
+    for &(addr, len) in ranges {
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: every range was checked to lie inside a region of the table, which its caller registered:
+        // host memory of this process that stays allocated while the table is used (the contract of
+        // `RegionTable.digest`, as for a NIXL registration). The bytes are only read; a concurrent writer (a
+        // fault the digest exists to catch) can only change the result.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) };
+        h.update(bytes);
+    }
+    h.digest()
+}
+
+/// `RegionTable.digest`: see the method's documentation in `region.rs`.
+pub fn digest_moves(
+    py: Python<'_>,
+    table: &Arc<RegionTable>,
+    moves: &PyReadonlyArray2<'_, u64>,
+    side: &str,
+) -> PyResult<u64> {
+    let col = column(side)?;
+    if moves.shape()[1] != 3 {
+        return Err(Error::value_error(format!(
+            "moves must be an (M, 3) uint64 array (local_addr, remote_addr, len), got {} columns",
+            moves.shape()[1]
+        ))
+        .into());
+    }
+    if table.mem_type != MemType::Dram {
+        return Err(Error::value_error(format!(
+            "digest reads host (DRAM) memory; this table's regions are {} (digest device memory with \
+             hybrid_kv.verify's torch path)",
+            table.mem_type.nixl_name()
+        ))
+        .into());
+    }
+    let view = moves.as_array();
+    let ranges: Vec<(u64, u64)> = view.rows().into_iter().map(|m| (m[col], m[2])).collect();
+    let table = Arc::clone(table);
+    Ok(py.detach(move || {
+        check_inside(&table, ranges.iter().enumerate().map(|(i, &(a, l))| (i, a, l)))?;
+        Ok::<_, Error>(xxh3_ranges(&ranges))
+    })?)
+}
+
+/// A passive rank's copy of one initiator rank's plan, restricted to this rank: the moves of a request
+/// between the two, in the initiator's order, so both sides digest the same bytes.
+#[pyclass(frozen, name = "MirrorPlan", module = "hybrid_kv")]
+pub struct PyMirrorPlan {
+    inner: Arc<Mirror>,
+}
+
+#[pymethods]
+impl PyMirrorPlan {
+    /// Rebuild the plan of the rank that sent `initiator_payload` against this rank.
+    ///
+    /// Args:
+    ///     own_payload (bytes): this rank's handshake payload (the bytes it serves to peers).
+    ///     initiator_payload (bytes): the initiator rank's payload (untrusted: decoded, validated against
+    ///         `own_payload` as `validate_handshake` does, and bounded before anything is sized).
+    ///     coalesce (bool): the initiator's `coalesce` setting (its moves are cut by it).
+    /// Raises:
+    ///     HandshakeError: a payload does not decode, or the two are incompatible (`findings`).
+    ///     PlanError: the initiator does not exchange data with this rank, claims far more blocks than this
+    ///         rank has, or cannot be planned against it.
+    #[new]
+    #[pyo3(signature = (own_payload, initiator_payload, *, coalesce = true))]
+    fn new(py: Python<'_>, own_payload: &[u8], initiator_payload: &[u8], coalesce: bool) -> PyResult<Self> {
+        let own = decode_payload(own_payload).map_err(|e| e.context("own payload"))?;
+        let init = decode_payload(initiator_payload)?;
+        check_peers(own_payload, std::slice::from_ref(&init), &Expected::default())?;
+        let mirror = no_panic(Kind::Plan, || Ok(py.detach(|| Mirror::new(&own, &init, coalesce))?))?;
+        Ok(PyMirrorPlan {
+            inner: Arc::new(mirror),
+        })
+    }
+
+    /// This (passive) rank.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.inner.rank
+    }
+
+    /// The initiator's rank.
+    #[getter]
+    fn initiator_rank(&self) -> u32 {
+        self.inner.initiator_rank
+    }
+
+    /// The moves of one request between the initiator and this rank as an `(M, 3)` uint64 array
+    /// `(initiator_addr, own_addr, len)`, in the initiator's order: its `Plan.moves` of the transfers to this
+    /// rank, concatenated.
+    ///
+    /// Args:
+    ///     initiator_ids (Sequence[Sequence[int]]): the initiator's logical block ids per group.
+    ///     own_ids (Sequence[Sequence[int]]): this rank's logical block ids per group.
+    /// Raises:
+    ///     PlanError: wrong group count, an id outside its pool, or lists that cannot be paired.
+    fn moves<'py>(
+        &self,
+        py: Python<'py>,
+        initiator_ids: &Bound<'_, PyAny>,
+        own_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let (a, b) = (block_ids(initiator_ids, "initiator")?, block_ids(own_ids, "own")?);
+        let mirror = Arc::clone(&self.inner);
+        let moves = no_panic(Kind::Plan, || Ok(py.detach(move || mirror.moves(&a, &b))?))?;
+        u64_matrix(py, moves.concat(), 3)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "MirrorPlan(rank={}, initiator_rank={})",
+            self.inner.rank, self.inner.initiator_rank
+        )
+    }
+}
