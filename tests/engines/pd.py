@@ -45,11 +45,20 @@ in-process tests cover that). The transfer deadlines are as long: the same stall
 whose transfers progress only when polled, so a 60 s deadline failed a READ that had not been polled."""
 
 CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    # name -> (kv_transfer_config, kv_connector_extra_config)
-    "hybrid-kv-pull": (HKV_CONNECTOR, {"mode": "pull", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S}),
+    # name -> (kv_transfer_config, kv_connector_extra_config); hybrid-kv verifies every transfer end to end
+    "hybrid-kv-pull": (
+        HKV_CONNECTOR,
+        {"mode": "pull", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S, "verify": "all"},
+    ),
     "hybrid-kv-push": (
         HKV_CONNECTOR,
-        {"mode": "push", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S, "push_registration_timeout_s": LEASE_S},
+        {
+            "mode": "push",
+            "lease_s": LEASE_S,
+            "transfer_timeout_s": LEASE_S,
+            "push_registration_timeout_s": LEASE_S,
+            "verify": "all",
+        },
     ),
     "nixl": (NIXL_CONNECTOR, {}),
 }
@@ -222,6 +231,7 @@ def compare_tokens(
     records one row per prompt in ``results["tokens"]``."""
     from proxy import route
 
+    verified = VerifiedCount(pair)
     rows = []
     for i, n in enumerate(lengths):
         p = prompt(seed + i, n)
@@ -247,7 +257,35 @@ def compare_tokens(
                 else None,
             }
         )
+    verified.expect(len(lengths))
     return rows
+
+
+VERIFIED = "vllm:hybrid_kv_num_verified_transfers_total"  # Prometheus counters end in _total
+MISMATCHES = "vllm:hybrid_kv_num_digest_mismatches_total"
+
+
+class VerifiedCount:
+    """The decode's count of digest-verified transfers (``verify: all`` in ``CONNECTORS``) from when it is made."""
+
+    def __init__(self, pair: PdPair) -> None:
+        self.pair = pair
+        self.hybrid_kv = pair.connector.startswith("hybrid-kv")
+        self.before = pair.decode.metric(VERIFIED) if self.hybrid_kv else 0.0
+
+    def expect(self, n: int, wait_s: float = 30.0) -> None:
+        """Assert ``n`` more transfers were verified and none mismatched (hybrid-kv pairs; metrics reach the
+        API server with the engine's stats, so they are polled for up to ``wait_s``)."""
+        if not self.hybrid_kv:
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            got = self.pair.decode.metric(VERIFIED) - self.before
+            if got >= n or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert got == n, f"{got:g} of {n} transfers verified by the decode"
+        assert self.pair.decode.metric(MISMATCHES) == 0
 
 
 def delivered_under_load(
@@ -263,6 +301,7 @@ def delivered_under_load(
     from conftest import RESULTS
     from proxy import route_all
 
+    verified = VerifiedCount(pair)
     with cpu_load() as n_busy:
         outs = route_all(pair.prefill, pair.decode, prompts, max_tokens, 240.0, serial_prefill)
     delivered = sum(1 for o, want in zip(outs, expected, strict=True) if o.error is None and o.tokens == want)
@@ -277,4 +316,6 @@ def delivered_under_load(
             "errors": errors,
         }
     )
+    if delivered == len(prompts):
+        verified.expect(len(prompts))
     return delivered, errors
