@@ -19,6 +19,8 @@ mod ids;
 mod plan;
 #[cfg(feature = "python")]
 mod region;
+#[cfg(feature = "python")]
+mod stream;
 
 #[cfg(feature = "python")]
 use pyo3::prelude::*;
@@ -40,6 +42,9 @@ mod _core {
 
     #[pymodule_export]
     use super::plan::{handshake_target_ranks, plan_scenario, PyPeerPlan, PyPlan, PyRankTransfer};
+
+    #[pymodule_export]
+    use super::stream::PyStreamSchedule;
 
     #[pymodule_export]
     use super::check::check_scenario;
