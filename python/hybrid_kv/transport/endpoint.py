@@ -486,6 +486,13 @@ class Endpoint:
         return self._requests.release(request_id, stages)
 
     @_locked
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Fail live request ``request_id`` now, as any failure (its ready peers are told; the next ``poll()``
+        reports it); whether it was live. Transfers already posted may still land: the peer fails it anyway."""
+        self._check_open()
+        return self._requests.cancel(request_id, reason)
+
+    @_locked
     def progress(self) -> None:
         """Progress posted transfers and the side channel's queue without taking the events (any thread):
         what happened stays for the next ``poll()``. Transports that move bytes in software (UCX over TCP)

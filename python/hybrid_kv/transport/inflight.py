@@ -109,6 +109,14 @@ class InFlight:
                 self._post_due(req)
         return True
 
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Fail live request ``request_id`` now (telling its peers); whether it was live."""
+        req = self._by_id.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.fail(req, reason)
+        return True
+
     # ------------------------------------------------------------------ progress
 
     def progress(self) -> None:

@@ -15,6 +15,10 @@ Every message about a prefill request carries the ``grant`` of the ticket the pr
   the ticket's ``max_expires_at``).
 - ``PushReg`` (decode -> prefill, push): write the request into these decode blocks of engine ``engine``
   (sent by that engine's rank, which the prefill checks against the sender's name).
+- ``StreamReg`` (decode -> prefill, concurrent push): as ``PushReg``, for a request the router sent to both
+  engines at once: it names the prefill request by the router's capability ``cap`` (``params``), not by a
+  ticket, which does not exist yet (the prefill acts on it only for the request of its own that carries the
+  same capability: ``leases.LeaseBook``).
 - ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank.
 """
 
@@ -27,9 +31,11 @@ from typing import Annotated
 import msgspec
 
 from ...limits import MAX_TP_SIZE
-from .tickets import BlockIdLists, Grant, Name, RequestId, WallTime
+from .tickets import GRANT_BYTES, BlockIdLists, Grant, Name, RequestId, WallTime
 
 __all__ = [
+    "CAP_BYTES",
+    "Cap",
     "Control",
     "ControlError",
     "PushPlan",
@@ -37,6 +43,7 @@ __all__ = [
     "Refusals",
     "Release",
     "Renew",
+    "StreamReg",
     "decode",
     "encode",
     "rank_of",
@@ -47,6 +54,9 @@ log = logging.getLogger("hybrid_kv.integrations.vllm.control")
 
 TAG_FIELD = "hkv_vllm"
 
+CAP_BYTES = GRANT_BYTES
+"""Bytes of a concurrent-push capability (128 random bits, as a grant)."""
+Cap = Annotated[bytes, msgspec.Meta(min_length=CAP_BYTES, max_length=CAP_BYTES)]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
@@ -78,12 +88,22 @@ class PushReg(msgspec.Struct, tag="push_reg", tag_field=TAG_FIELD, frozen=True, 
     tp: TpSize
 
 
+class StreamReg(msgspec.Struct, tag="stream_reg", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    cap: Cap
+    d_req: RequestId
+    ids: BlockIdLists
+    engine: Name
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    port: Port  # side channel of the decode engine's TP rank 0
+    tp: TpSize
+
+
 class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
     d_req: RequestId
     writes: bool
 
 
-Control = Release | Renew | PushReg | PushPlan
+Control = Release | Renew | PushReg | PushPlan | StreamReg
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)

@@ -26,6 +26,8 @@ COUNTERS = (
     "num_expired_leases",
     "num_refused_tickets",
     "num_lease_renewals",
+    "num_streamed_requests",
+    "num_stream_fallbacks",
 )
 # Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
 # parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
@@ -135,6 +137,14 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "num_lease_renewals": (
                 "vllm:hybrid_kv_num_lease_renewals",
                 "Prefill leases a decode renewed while its handshake was still running.",
+            ),
+            "num_streamed_requests": (
+                "vllm:hybrid_kv_num_streamed_requests",
+                "Prefill requests whose KV was pushed layer by layer during their last prefill forward.",
+            ),
+            "num_stream_fallbacks": (
+                "vllm:hybrid_kv_num_stream_fallbacks",
+                "Prefill requests with a stream capability pushed whole (no decode registration or link in time).",
             ),
         }
         self._hist = {
