@@ -109,6 +109,26 @@ def test_a_prefill_streams_only_requests_with_a_sound_unique_capability(model_di
     assert stream["first"].cap == bytes.fromhex(CAP) and any(stream["first"].block_ids)
 
 
+def test_streaming_off_leaves_the_capability_to_the_whole_push(model_dirs: dict[str, str]) -> None:
+    """``stream: false``: no request streams, and a finished request's lease still carries its capability (a
+    concurrent decode's registration then gets the whole push)."""
+    from hybrid_kv.integrations.vllm.config import ConnectorConfig
+
+    assert ConnectorConfig.resolve({"mode": "push"}, env={}).stream is True
+    assert ConnectorConfig.resolve({"mode": "push"}, env={"HYBRID_KV_STREAM": "0"}).stream is False
+    sched = _scheduler(model_dirs, "push", (("stream", False),))
+    sched.add_request(_request("p-0", {"do_remote_decode": True, "hkv_stream": CAP}, max_tokens=1))
+    assert sched.schedule().kv_connector_metadata.stream == {}
+    conn = sched.connector.scheduler
+    req = sched.requests["p-0"]
+    from vllm.v1.request import RequestStatus
+
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = conn.request_finished(req, sched.kv_cache_manager.get_block_ids("p-0"))
+    assert delay and params is not None
+    assert sched.schedule().kv_connector_metadata.send["p-0"].cap == bytes.fromhex(CAP)
+
+
 def test_a_second_decode_engine_cannot_take_a_registered_capability(model_dirs: dict[str, str]) -> None:
     from vllm.v1.engine import FinishReason
 
