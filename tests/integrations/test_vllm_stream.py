@@ -148,3 +148,42 @@ def test_a_registration_after_the_forward_is_pushed_whole(model_dirs: dict[str, 
     finally:
         p.close()
         d.close()
+
+
+def test_a_decode_that_stopped_waiting_gets_nothing_written(model_dirs: dict[str, str]) -> None:
+    """The decode's registration says until when it waits; once it gave up (its request failed, its blocks free
+    for reuse) the prefill writes nothing into them, streamed or whole, when its request finally runs."""
+    from vllm.v1.request import RequestStatus
+
+    p_port, d_port = side_channel_ports(2)
+    p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "push", p_port, layerwise=True))
+    wait = (("push_registration_timeout_s", 4.0),)
+    d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "push", d_port, extra=wait))
+    statuses: dict[str, Any] = {}
+    orig = d.scheduler.finish_requests
+
+    def spy(ids: Any, status: Any) -> Any:
+        for rid in [ids] if isinstance(ids, str) else ids:
+            statuses[rid] = status
+        return orig(ids, status)
+
+    d.scheduler.finish_requests = spy
+    try:
+        d.workers.call("mark")
+        cap = os.urandom(16).hex()
+        d.add("d-0", prompt(0, 300), stream_params(p, cap), 0)
+        run_until([d, p], lambda: all(k >= 1 and "decode" in links for k, links in p.workers.call("stream_state")))
+        run_until([d, p], lambda: "d-0" in d.outputs)
+        assert statuses.get("d-0") == RequestStatus.FINISHED_ERROR  # its wait ran out: a failed load
+        p.add("p-0", prompt(0, 300), {"do_remote_decode": True, "hkv_stream": cap}, 0)
+        p.fills["p-0"] = (0, CONTENT_TOKENS)
+        run_until([p, d], lambda: "p-0" in p.outputs and p.idle())
+        for _ in range(5):
+            d.step()
+        for problem, _ in d.workers.call("verify", []):
+            assert problem is None, f"the decode's memory changed after it stopped waiting: {problem}"
+        assert _counter(p, "num_streamed_requests") == 0 and _counter(p, "num_stream_fallbacks") == 1
+        assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == p.kv_cfg.num_blocks - 1
+    finally:
+        p.close()
+        d.close()

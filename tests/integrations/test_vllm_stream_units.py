@@ -35,7 +35,9 @@ def _book(ttl: float = 60.0) -> tuple[LeaseBook, Clock]:
 
 
 def reg(engine: str = "decode", cap: bytes = CAP, d_req: str = "d-0", tp: int = 2) -> control.StreamReg:
-    return control.StreamReg(cap=cap, d_req=d_req, ids=[[1, 2]], engine=engine, host="127.0.0.1", port=5700, tp=tp)
+    return control.StreamReg(
+        cap=cap, d_req=d_req, ids=[[1, 2]], engine=engine, host="127.0.0.1", port=5700, tp=tp, until=4e9
+    )
 
 
 def test_a_registration_waits_for_its_request_and_binds_the_first_engine() -> None:
@@ -51,6 +53,7 @@ def test_a_registration_waits_for_its_request_and_binds_the_first_engine() -> No
     [(rid, lease, push)] = book.registered()
     assert (rid, push.p_req, push.grant, push.d_req, push.engine) == ("p-0", "p-0", GRANT, "d-0", "decode")
     assert lease.holder == "decode" and book.stream_reg_count() == 0
+    assert lease.push_until == 4e9  # the whole push must end before the decode stops waiting
     assert "held by 'decode'" in str(book.on_message("thief-tp0", reg("thief")))
 
 
@@ -96,6 +99,22 @@ def test_registrations_are_bounded_per_engine_and_expire(monkeypatch: pytest.Mon
     assert book.stream_reg(bytes([100]) * 16) is None  # expired
     assert book.on_message("late-tp0", reg("late", b"\x77" * 16)) is None
     assert book.stream_reg_count() == 1
+
+
+def test_nothing_is_written_for_a_decode_that_stopped_waiting() -> None:
+    """A push (streamed or whole) ends ``LEASE_MARGIN_S`` before the decode's ``until``; with less than
+    ``MIN_PUSH_S`` of that left, nothing is written (the decode may reuse its blocks after ``until``)."""
+    import time
+
+    from hybrid_kv.integrations.vllm.worker import LEASE_MARGIN_S, MIN_PUSH_S, _push_deadline
+
+    now = time.time()
+    assert _push_deadline(None, 60.0) == 60.0  # a ticket's push: its own deadline
+    assert _push_deadline(now + 1000, 60.0) == 60.0
+    left = _push_deadline(now + 20, 60.0)
+    assert left is not None and 20 - LEASE_MARGIN_S - 1 < left <= 20 - LEASE_MARGIN_S
+    assert _push_deadline(now + LEASE_MARGIN_S + MIN_PUSH_S / 2, 60.0) is None
+    assert _push_deadline(now - 5, 60.0) is None
 
 
 def test_the_control_message_is_typed_and_bounded() -> None:

@@ -18,7 +18,8 @@ Every message about a prefill request carries the ``grant`` of the ticket the pr
 - ``StreamReg`` (decode -> prefill, concurrent push): as ``PushReg``, for a request the router sent to both
   engines at once: it names the prefill request by the router's capability ``cap`` (``params``), not by a
   ticket, which does not exist yet (the prefill acts on it only for the request of its own that carries the
-  same capability: ``leases.LeaseBook``).
+  same capability: ``leases.LeaseBook``), and says until when the decode waits (``until``: its blocks may be
+  reused after it, so the prefill's writes must end before it, whatever the prefill's queue).
 - ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank.
 """
 
@@ -96,6 +97,7 @@ class StreamReg(msgspec.Struct, tag="stream_reg", tag_field=TAG_FIELD, frozen=Tr
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
     port: Port  # side channel of the decode engine's TP rank 0
     tp: TpSize
+    until: WallTime  # the decode stops waiting then (wall clock) and may reuse the blocks: write nothing later
 
 
 class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):

@@ -85,6 +85,7 @@ class Lease:
     push: PushReg | None = None
     renewals: int = 0
     cap: bytes = b""  # the request's concurrent-push capability
+    push_until: float | None = None  # a concurrent push's registration: the decode waits until then (wall)
 
 
 class LeaseBook:
@@ -247,6 +248,7 @@ class LeaseBook:
             return f"stream registration for {rid!r} from engine {msg.engine!r}; the lease is held by {lease.holder!r}"
         lease.holder = msg.engine
         if lease.push is None:
+            lease.push_until = msg.until
             lease.push = PushReg(
                 p_req=rid,
                 grant=lease.grant,

@@ -57,7 +57,21 @@ log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 LEASE_MARGIN_S = 1.0
 """Pull: a read must end this long before the prefill's ``lease_expires_at`` (wall clock, so it also absorbs
 clock skew between hosts up to this much); a read ending later may have read blocks the prefill engine had
-already freed and reused, and fails (vLLM then applies its ``kv_load_failure_policy``)."""
+already freed and reused, and fails (vLLM then applies its ``kv_load_failure_policy``). Concurrent push: the
+prefill's writes end (or fail) this long before the decode's ``StreamReg.until``."""
+
+MIN_PUSH_S = 1.0
+"""Concurrent push: a registration whose decode stops waiting sooner than this (plus the margin) is not written
+to any more (the decode is about to fail the request and may reuse its blocks)."""
+
+
+def _push_deadline(until: float | None, timeout_s: float) -> float | None:
+    """A push's deadline: ``timeout_s``, ending ``LEASE_MARGIN_S`` before the decode's ``until`` (wall clock) when
+    it has one; ``None`` when too little of that is left to write anything."""
+    if until is None:
+        return timeout_s
+    left = until - time.time() - LEASE_MARGIN_S
+    return min(timeout_s, left) if left >= MIN_PUSH_S else None
 
 
 @dataclass
@@ -434,9 +448,17 @@ class WorkerHalf:
         ids = req.local_block_ids if any(req.local_block_ids) else []
         host, port = self.cfg.advertise_host, self.port - self.tp_rank
         reg: control.PushReg | control.StreamReg
+        wait_s = self.cfg.push_registration_timeout_s
         if req.cap:  # a concurrent push: the prefill request is named by the router's capability
             reg = control.StreamReg(
-                cap=req.cap, d_req=req.request_id, ids=ids, engine=self.engine_id, host=host, port=port, tp=self.tp_size
+                cap=req.cap,
+                d_req=req.request_id,
+                ids=ids,
+                engine=self.engine_id,
+                host=host,
+                port=port,
+                tp=self.tp_size,
+                until=time.time() + wait_s,  # the prefill writes nothing after it (push_wait's deadline below)
             )
         else:
             reg = control.PushReg(
@@ -466,7 +488,7 @@ class WorkerHalf:
             "answered": set(),  # ranks
             "writers": set(),  # names (NIXL agents) that write
             "ids": req.local_block_ids,
-            "deadline": time.monotonic() + self.cfg.push_registration_timeout_s,
+            "deadline": time.monotonic() + wait_s,
         }
         self._send_controls(
             self.server,
@@ -511,6 +533,11 @@ class WorkerHalf:
                     continue
                 if not host_allowed(reg.host, self._networks):
                     raise TransferError(f"decode host {reg.host!r} is outside the allowed peer networks")
+                deadline = _push_deadline(lease.push_until, self.cfg.transfer_timeout_s)
+                if deadline is None:  # the decode stopped waiting (or is about to): its blocks are not ours
+                    log.warning("hybrid-kv %s: %s's decode %s stopped waiting; not pushed", self.name, p_req, d_req)
+                    self._sent(p_req)
+                    continue
                 link = self._link(reg.engine, reg.host, reg.port, reg.tp, p_req)
                 if link is None:
                     continue  # handshake in the background; pushed on a later step
@@ -518,7 +545,7 @@ class WorkerHalf:
                 transfers = link.transfers(local_ids, reg.ids)
                 writers = {link.rank_of(t.peer) for t in transfers}
                 if transfers:
-                    self._post(d_req, "send", link, transfers, "WRITE", self.cfg.transfer_timeout_s, local_ids)
+                    self._post(d_req, "send", link, transfers, "WRITE", deadline, local_ids)
                     self.inflight[d_req].request_id = p_req
                 else:
                     self._sent(p_req)
@@ -563,9 +590,10 @@ class WorkerHalf:
         whole once it finished, from the same registration)."""
         assert self.schedule is not None and self.server is not None
         reg = self.leases.stream_reg(send.cap)
-        if reg is None or not any(reg.ids) or not host_allowed(reg.host, self._networks):
+        deadline = None if reg is None else _push_deadline(reg.until, self.cfg.transfer_timeout_s)
+        if reg is None or deadline is None or not any(reg.ids) or not host_allowed(reg.host, self._networks):
             self.stats.count("num_stream_fallbacks")
-            return None  # no registration yet (or nothing to write, or a refused host: the lease path says why)
+            return None  # no live registration (or nothing to write, or a refused host: the lease path says why)
         link = self.links.get(reg.engine)
         if link is None:
             self._prelink(reg)
@@ -581,7 +609,7 @@ class WorkerHalf:
             if transfers:
                 order = [k for k, stage in enumerate(stages) for _ in stage]
                 t0 = time.perf_counter()
-                stream.handle = link.ep.post(reg.d_req, transfers, "WRITE", self.cfg.transfer_timeout_s, stages=order)
+                stream.handle = link.ep.post(reg.d_req, transfers, "WRITE", deadline, stages=order)
                 self.stats.add_time("worker_post_s", time.perf_counter() - t0)
                 nids = sum(int(t.local_ids.size) for t in transfers)
                 now = time.perf_counter()
