@@ -29,3 +29,18 @@ def test_bench_planner_quick_runs_every_section_and_its_checks(tmp_path: Path) -
     ):
         assert title in run.stdout, f"section {title!r} missing"
     assert out.stat().st_size > 0
+
+
+def test_stream_push_bench_runs_all_three_pushes(tmp_path: Path) -> None:
+    """``benches/stream_push.py`` on the tiny Kimi-Linear shapes: every push mode completes (the bench raises
+    unless the decode's request completed from every done-notice); no time is asserted."""
+    out = tmp_path / "stream.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    cmd = [sys.executable, str(ROOT / "benches" / "stream_push.py"), "--models", "tiny-kimi-linear"]
+    cmd += ["--tokens", "300", "--repeats", "1", "--prefill-tok-s", "1000000", "--json", str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    (row,) = json.loads(out.read_text())
+    assert set(row["tail_ms"]) == {"whole", "region", "layer"} and row["stages"]["layer"] >= row["stages"]["region"]

@@ -228,6 +228,36 @@ class PeerPlan:
     def plan(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> Plan:
         """Plan one request from each side's logical block ids per group (lists are read fastest; numpy
         integer arrays work too); raises ``PlanError``."""
+    def plan_staged(
+        self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], schedule: StreamSchedule
+    ) -> list[Plan]:
+        """One request's plan cut into ``schedule``'s stages: one ``Plan`` per stage, together exactly the whole
+        plan (every id pair once), with the whole plan's tables and ids. Raises ``PlanError`` (as ``plan``, or a
+        schedule made for another region table)."""
+
+@final
+class StreamSchedule:
+    """When each (region, group) pair of a rank is final during a request's last prefill forward: stage ``k`` is
+    final once the save hook of ``stage_hooks[k]`` fired (``None``: at the end of the forward)."""
+
+    def __new__(
+        cls, table: RegionTable, hooks: Sequence[str] | None = None, *, granularity: str = "layer"
+    ) -> StreamSchedule:
+        """The schedule of ``table``; ``hooks``: the layers vLLM calls ``save_kv_layer`` for (default: every
+        attention and MLA layer); ``granularity``: ``"layer"`` or ``"region"``. Raises ``LayoutError`` for a hook
+        that is not a layer of the table, ``ValueError`` for another granularity."""
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def granularity(self) -> str: ...
+    @property
+    def hooks(self) -> list[tuple[str, int]]:
+        """Every hook layer in forward order with the number of stages final once its hook fired."""
+    @property
+    def stage_hooks(self) -> list[str | None]: ...
+    @property
+    def stage_units(self) -> list[list[tuple[int, int]]]:
+        """The (region, group) pairs of each stage that some layer writes."""
 
 @final
 class MirrorPlan:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._core import RegionTable, handshake_target_ranks
+from ._core import RegionTable, StreamSchedule, handshake_target_ranks
 from .planner import RankPlanner
 from .transport.errors import HandshakeError
 from .transport.requests import PeerKey, Transfer
@@ -206,6 +206,16 @@ class PeerLink:
     def transfers(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> list[Transfer]:
         """One request's transfers, addressed to this link's peers (empty when nothing moves)."""
         return [t._replace(peer=self.key(int(t.peer))) for t in self.planner.plan(local_ids, remote_ids)]
+
+    def staged_transfers(
+        self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], schedule: StreamSchedule
+    ) -> list[list[Transfer]]:
+        """One request's transfers cut into ``schedule``'s stages (one list per stage, possibly empty), addressed
+        to this link's peers: together exactly ``transfers``."""
+        return [
+            [t._replace(peer=self.key(int(t.peer))) for t in stage]
+            for stage in self.planner.plan_staged(local_ids, remote_ids, schedule)
+        ]
 
     def close(self) -> None:
         """Disconnect the link's peers and release its scope (idempotent); the endpoint stays open."""

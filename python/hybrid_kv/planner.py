@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._core import PeerPlan, RegionTable
+from ._core import PeerPlan, RegionTable, StreamSchedule
 from .transport.requests import Transfer
 
 __all__ = ["RankPlanner"]
@@ -69,6 +69,16 @@ class RankPlanner:
         """One request's transfers (empty when there is nothing to move)."""
         plan = self.plan_.plan(local_ids, remote_ids)
         return [Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in plan.transfers]
+
+    def plan_staged(
+        self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], schedule: StreamSchedule
+    ) -> list[list[Transfer]]:
+        """One request's transfers cut into ``schedule``'s stages (``PeerPlan.plan_staged``): one list per stage,
+        together exactly ``plan``'s id pairs, with the same tables."""
+        return [
+            [Transfer(t.remote_rank, t.local_table, "remote", t.local_ids, t.remote_ids) for t in p.transfers]
+            for p in self.plan_.plan_staged(local_ids, remote_ids, schedule)
+        ]
 
     def transfer_bytes(self, t: Transfer) -> int:
         """Bytes a transfer moves (its local descriptors' lengths, summed in Rust)."""

@@ -148,4 +148,7 @@ pub enum LayoutError {
     /// A layout feature hybrid-kv deliberately does not support.
     #[error("not supported: {0}")]
     NotSupported(String),
+    /// A layer name that is not one of the table's layers (e.g. a stream hook).
+    #[error("no layer named {0:?} in this region table")]
+    UnknownLayer(String),
 }

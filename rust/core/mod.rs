@@ -13,6 +13,7 @@ pub mod region;
 pub mod scenario;
 pub mod spec;
 pub mod state_rows;
+pub mod stream;
 pub mod tp;
 pub mod units;
 
@@ -20,7 +21,7 @@ pub use descs::{DescTable, StridedRow};
 pub use error::LayoutError;
 pub use layout::{LayerInput, LayerMemory, MemType, RankLayout};
 pub use meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode, META_VERSION};
-pub use region::{GroupKind, Region, RegionTable};
+pub use region::{GroupKind, LayerPlace, Region, RegionTable};
 pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec};
 pub mod fixtures;
 mod natural;
@@ -31,3 +32,5 @@ mod hardening_tests;
 mod oracle_tests;
 #[cfg(test)]
 mod region_tests;
+#[cfg(test)]
+pub(crate) mod stream_tests;

@@ -15,7 +15,7 @@ use super::meta::TransferMode;
 use super::scenario::{Deployment, Engine, Group, Model, RankState, Request, Scenario, Tensor, TensorLayer};
 use super::spec::MambaKind;
 
-fn mix(mut h: u64, v: u64) -> u64 {
+pub(crate) fn mix(mut h: u64, v: u64) -> u64 {
     h ^= v
         .wrapping_add(0x9e37_79b9_7f4a_7c15)
         .wrapping_add(h << 6)
@@ -419,7 +419,8 @@ fn min_logical(f: Family, heads: u64, tp: u64) -> u64 {
 }
 
 prop_compose! {
-    fn scenario()(
+    /// A random deployment: every family, both modes, any TP pair, mixed kernel blocks, prefix hits.
+    pub(crate) fn scenario()(
         fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::GqaMamba1, Family::PureMla, Family::PureGqa]),
         heads in prop::sample::select(vec![1u64, 2, 4, 8]),
         tps in (prop::sample::select(vec![1u32, 2, 4, 8]), prop::sample::select(vec![1u32, 2, 4, 8])),

@@ -74,6 +74,20 @@ pub struct Region {
     pub has_ssm: bool,
 }
 
+/// Where one layer's KV lives: the region (tensor) it maps and its KV-cache group. In a hybrid (HMA) pool
+/// tensor *i* holds layer *i* of every group, so a (region, group) pair is one layer's own pages and states.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerPlace {
+    /// Layer name (vLLM's `kv_caches` key).
+    pub name: String,
+    /// Index of the region the layer maps.
+    pub region: u32,
+    /// KV-cache group of the layer.
+    pub group: u32,
+    /// Whether it is an SSM layer (vLLM gives those no per-layer save hook).
+    pub is_ssm: bool,
+}
+
 /// Block geometry of a rank: logical versus kernel blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockGeometry {
@@ -114,6 +128,9 @@ pub struct RegionTable {
     pub device: u32,
     /// Memory type of every region.
     pub mem_type: MemType,
+    /// Every layer in natural layer-name order (vLLM's forward order) with the region and group it maps.
+    #[serde(default)]
+    pub layers: Vec<LayerPlace>,
     /// The chunked base local tables of this rank, built once for all its peer plans (`coalesce.rs`).
     #[serde(skip)]
     pub chunked_bases: ChunkedBases,
@@ -302,6 +319,7 @@ impl RegionTable {
         let mut by_base: HashMap<u64, usize> = HashMap::new();
         let mut ssm_regions: Vec<usize> = Vec::new();
         let mut conv_split: Option<(ConvSplit, &str)> = None;
+        let mut places: Vec<LayerPlace> = Vec::with_capacity(layers.len());
 
         for layer in &layers {
             let mem = &layer.memory;
@@ -375,6 +393,12 @@ impl RegionTable {
                     regions.len() - 1
                 }
             };
+            places.push(LayerPlace {
+                name: layer.name.clone(),
+                region: u32::try_from(idx).map_err(|_| LayoutError::Groups(format!("{idx} regions")))?,
+                group: layer.group,
+                is_ssm: layer.spec.is_ssm(),
+            });
             if layer.spec.is_ssm() {
                 regions[idx].has_ssm = true;
                 if !ssm_regions.contains(&idx) {
@@ -403,6 +427,7 @@ impl RegionTable {
             tp_size: layout.tp_size,
             device,
             mem_type,
+            layers: places,
             chunked_bases: ChunkedBases::default(),
         })
     }

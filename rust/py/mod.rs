@@ -21,6 +21,8 @@ mod ids;
 mod plan;
 #[cfg(feature = "python")]
 mod region;
+#[cfg(feature = "python")]
+mod stream;
 
 #[cfg(feature = "python")]
 use pyo3::prelude::*;
@@ -42,6 +44,9 @@ mod _core {
 
     #[pymodule_export]
     use super::plan::{handshake_target_ranks, plan_scenario, PyPeerPlan, PyPlan, PyRankTransfer};
+
+    #[pymodule_export]
+    use super::stream::PyStreamSchedule;
 
     #[pymodule_export]
     use super::check::check_scenario;

@@ -14,8 +14,9 @@ use super::errors::{no_panic, Error, Kind};
 use super::handshake::{check_peers, decode_payload, meta_from_py};
 use super::ids::block_ids;
 use super::region::PyRegionTable;
+use super::stream::PyStreamSchedule;
 use crate::core::handshake::Expected;
-use crate::core::plan::{PeerPlan, TableKey};
+use crate::core::plan::{PeerPlan, Plan, TableKey};
 use crate::core::scenario::report::report;
 use crate::core::scenario::{Deployment, Scenario, ScenarioError};
 use crate::core::tp::MAX_TP_SIZE;
@@ -335,6 +336,57 @@ impl PyPeerPlan {
                 py.detach(move || peer.plan(&local_ids, &remote_ids))
             }?)
         })?;
+        self.to_py(py, plan)
+    }
+
+    /// Plan one request (as `plan`) cut into the stages of `schedule`: one `Plan` per stage, together exactly
+    /// the whole plan (every id pair once), each with the whole plan's tables and ids, so nothing extra is
+    /// prepped. A stage with nothing to move has no transfers.
+    ///
+    /// Args:
+    ///     local_ids (Sequence[Sequence[int]]): this rank's logical block ids, one sequence per KV-cache group.
+    ///     remote_ids (Sequence[Sequence[int]]): the peer's logical block ids, one sequence per group.
+    ///     schedule (StreamSchedule): the stages, made from this rank's region table.
+    /// Raises:
+    ///     PlanError: as `plan`, or a schedule made for another region table.
+    fn plan_staged(
+        &self,
+        py: Python<'_>,
+        local_ids: &Bound<'_, PyAny>,
+        remote_ids: &Bound<'_, PyAny>,
+        schedule: PyRef<'_, PyStreamSchedule>,
+    ) -> PyResult<Vec<PyPlan>> {
+        let (local_ids, remote_ids) = (block_ids(local_ids, "local")?, block_ids(remote_ids, "remote")?);
+        let size: usize = local_ids.iter().chain(&remote_ids).map(Vec::len).sum();
+        let sched = Arc::clone(&schedule.inner);
+        let plans = no_panic(Kind::Plan, || {
+            Ok(if size < DETACH_FROM_IDS {
+                self.inner.plan_staged(&local_ids, &remote_ids, &sched.map)
+            } else {
+                let peer = Arc::clone(&self.inner);
+                py.detach(move || peer.plan_staged(&local_ids, &remote_ids, &sched.map))
+            }?)
+        })?;
+        plans.into_iter().map(|p| self.to_py(py, p)).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "PeerPlan(mode={}, local_rank={}/{}, remote_tp={}, tp_ratio={}, tables={:?})",
+            self.mode(),
+            p.mapping.tp_rank,
+            p.mapping.tp_size,
+            p.mapping.remote_tp,
+            p.mapping.tp_ratio,
+            self.table_keys()
+        )
+    }
+}
+
+impl PyPeerPlan {
+    /// A core plan as Python objects: the id vectors moved into numpy arrays.
+    fn to_py(&self, py: Python<'_>, plan: Plan) -> PyResult<PyPlan> {
         let mut transfers = Vec::with_capacity(plan.transfers.len());
         for t in plan.transfers {
             let rt = PyRankTransfer {
@@ -352,19 +404,6 @@ impl PyPeerPlan {
             transfers,
             notify_ranks: plan.notify_ranks,
         })
-    }
-
-    fn __repr__(&self) -> String {
-        let p = &self.inner;
-        format!(
-            "PeerPlan(mode={}, local_rank={}/{}, remote_tp={}, tp_ratio={}, tables={:?})",
-            self.mode(),
-            p.mapping.tp_rank,
-            p.mapping.tp_size,
-            p.mapping.remote_tp,
-            p.mapping.tp_ratio,
-            self.table_keys()
-        )
     }
 }
 

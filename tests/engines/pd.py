@@ -60,8 +60,27 @@ CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "verify": "all",
         },
     ),
+    # concurrent push with streaming (#21); its prefill loads the connector with one injected fault for requests
+    # marked "fail-early" (tests/engines/faulty_connector.py: NIXL fails their first stage), the same otherwise
+    "hybrid-kv-push-stream": (
+        HKV_CONNECTOR,
+        {"mode": "push", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S, "push_registration_timeout_s": LEASE_S},
+    ),
+    # the same concurrent routing without streaming: every request pushed whole after its prefill
+    "hybrid-kv-push-nostream": (
+        HKV_CONNECTOR,
+        {
+            "mode": "push",
+            "lease_s": LEASE_S,
+            "transfer_timeout_s": LEASE_S,
+            "push_registration_timeout_s": LEASE_S,
+            "stream": False,
+        },
+    ),
     "nixl": (NIXL_CONNECTOR, {}),
 }
+FAULTY_PREFILL = {"kv_connector": "FaultyHybridKvConnector", "kv_connector_module_path": "faulty_connector"}
+"""The prefill of ``hybrid-kv-push-stream`` loads this class (``tests/engines`` on its ``PYTHONPATH``)."""
 
 
 CONTROLS_ENV = "HYBRID_KV_ENGINE_CONTROLS"
@@ -131,6 +150,10 @@ class PdPair:
                 e_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
                 if bind == "nobind":
                     e_env["OMP_NUM_THREADS"] = "1"
+            if connector == "hybrid-kv-push-stream" and role == "prefill":
+                cfg.update(FAULTY_PREFILL)
+                here = str(Path(__file__).parent)
+                e_env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
             e_env.update(env or {})
             args = list(extra_args or [])
             if role == "prefill":

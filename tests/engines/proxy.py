@@ -4,12 +4,18 @@
 ``kv_transfer_params={"do_remote_decode": true, ...}``; the ``kv_transfer_params`` of its response go, with the
 original request, to the decode engine, whose response is the answer. Both requests carry the same
 ``X-Request-Id`` (the example proxy's header), so each engine's request id is derived from it.
+
+``route_concurrent``: concurrent push (hybrid-kv streaming, #21), as Dynamo sends a push request to both
+engines at once: one fresh random capability ``hkv_stream`` in both requests, the prefill engine's side channel
+in the decode's; the decode's response is the answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -80,3 +86,62 @@ def route_all(
 
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         return list(pool.map(one, prompts))
+
+
+def stream_params(prefill: Engine, cap: str) -> dict[str, Any]:
+    """The decode's ``kv_transfer_params`` of a concurrent push from ``prefill`` (its side channel, its TP 1)."""
+    assert prefill.kv_transfer_config is not None
+    return {
+        "do_remote_prefill": True,
+        "hkv_stream": cap,
+        "remote_engine_id": prefill.kv_transfer_config["engine_id"],
+        "remote_host": "127.0.0.1",
+        "remote_port": int(prefill.env["HYBRID_KV_SIDE_CHANNEL_PORT"]),
+        "tp_size": 1,
+    }
+
+
+@dataclass
+class Concurrent(Routed):
+    """A concurrent push: also when the decode answered, from sending the prefill's request (``decode_s``: the
+    decode's time to its answer as the prefill's work is concerned; with ``max_tokens=1``, its time to first
+    token)."""
+
+    decode_s: float = 0.0
+
+
+def route_concurrent(
+    prefill: Engine,
+    decode: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float = 180.0,
+    head_start_s: float = 0.0,
+    rid: str | None = None,
+) -> Concurrent:
+    """One request to both engines at once with a fresh capability; the decode's answer. ``head_start_s``: the
+    decode request is sent that long before the prefill's (0: both at once). Raises ``EngineError`` when an
+    engine refuses its request (the prefill's error first)."""
+    rid = rid or f"pd-{secrets.token_hex(6)}"
+    cap = secrets.token_hex(16)
+    errors: list[BaseException] = []
+    sent: list[float] = []
+
+    def prefill_side() -> None:
+        try:
+            time.sleep(head_start_s)
+            sent.append(time.monotonic())
+            prefill.complete(prompt, 1, {"do_remote_decode": True, "hkv_stream": cap}, timeout_s, request_id=rid)
+        except BaseException as exc:  # reported after the decode's answer
+            errors.append(exc)
+
+    t = threading.Thread(target=prefill_side)
+    t.start()
+    try:
+        out = decode.complete(prompt, max_tokens, stream_params(prefill, cap), timeout_s, request_id=rid)
+    finally:
+        t.join(timeout_s)
+    decode_s = time.monotonic() - sent[0] if sent else 0.0
+    if errors:
+        raise EngineError(f"prefill {prefill.name} refused the request: {errors[0]}")
+    return Concurrent(prompt, None, tokens(out), logprobs(out), decode_s=decode_s)

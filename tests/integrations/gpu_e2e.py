@@ -5,7 +5,10 @@ moves GPU memory (cuda_ipc on one machine). Run by ``scripts/gpu-e2e.sh`` in the
 Each case starts a prefill and a decode engine (vLLM's real Scheduler here, one process per TP worker; ranks
 share GPUs round-robin when there are fewer GPUs than ranks), moves Kimi-Linear-shaped requests and checks
 every byte of the decode workers' memory, that the prefill's memory did not change, and that every worker
-registered ``VRAM`` only.
+registered ``VRAM`` only. ``stream`` cases are push with streaming (#21): the router sends each request to
+both engines at once (``route_concurrent``), the prefill workers run the last prefill forward layer by layer
+on the GPU (each layer's KV copied to the device, then vLLM's ``save_kv_layer`` hook, which records a CUDA
+event the poster thread waits for before posting that layer's stage), and every request must have streamed.
 
 Exit status (also of ``--probe``, which only looks for a device): 0 every case passed, 1 a case failed
 (the reason printed), 3 no CUDA device (nothing was run).
@@ -25,8 +28,8 @@ from typing import Any
 NO_CUDA = 3
 """Exit status when torch sees no CUDA device: distinct from a pass (0) and a failure (1)."""
 
-CASES = ("pull:1:2", "push:1:2", "pull:2:1")
-"""Default cases, ``MODE:P_TP:D_TP``: the seed case both ways in pull, and push."""
+CASES = ("pull:1:2", "push:1:2", "pull:2:1", "stream:1:2", "stream:2:1")
+"""Default cases, ``MODE:P_TP:D_TP``: the seed case both ways in pull, push, and streaming push both ways."""
 
 
 def cuda_devices() -> tuple[int, str]:
@@ -42,10 +45,13 @@ def cuda_devices() -> tuple[int, str]:
 
 def run_case(models: dict[str, str], mode: str, p_tp: int, d_tp: int, lengths: list[int]) -> dict[str, Any]:
     """One P -> D transfer on CUDA memory, every byte checked; returns what was measured."""
-    from vllm_harness import Engine, EngineSpec, move, side_channel_ports, verify_moved
+    from vllm_harness import Engine, EngineSpec, move, route_concurrent, side_channel_ports, verify_moved
 
     p_port, d_port = side_channel_ports(2)
-    p = Engine.start(EngineSpec("prefill", "kimi", models["kimi"], p_tp, mode, p_port, device="cuda"))
+    stream = mode == "stream"
+    mode = "push" if stream else mode
+    layers = {"layerwise": stream, "layer_s": 0.005}
+    p = Engine.start(EngineSpec("prefill", "kimi", models["kimi"], p_tp, mode, p_port, device="cuda", **layers))
     try:
         d = Engine.start(EngineSpec("decode", "kimi", models["kimi"], d_tp, mode, d_port, device="cuda"))
     except BaseException:
@@ -59,7 +65,7 @@ def run_case(models: dict[str, str], mode: str, p_tp: int, d_tp: int, lengths: l
                         f"{engine.spec.engine_id} rank {rank} registered {ready['mem_types']}, expected ['VRAM']"
                     )
         t0 = time.perf_counter()
-        reqs = move(p, d, lengths)
+        reqs = route_concurrent(p, d, lengths) if stream else move(p, d, lengths)
         wall = time.perf_counter() - t0
         checked = verify_moved(p, d, reqs)
         stats = [s for s in (d if mode == "pull" else p).stats]
@@ -68,6 +74,9 @@ def run_case(models: dict[str, str], mode: str, p_tp: int, d_tp: int, lengths: l
         failed = sum(int(s["num_failed_transfers"]) for s in stats)
         if failed or moved <= 0:
             raise AssertionError(f"{failed} failed transfers, {moved} bytes moved")
+        streamed = sum(int(s.get("num_streamed_requests", 0)) for s in p.stats)
+        if stream and streamed != len(lengths) * p_tp:
+            raise AssertionError(f"{streamed} of {len(lengths) * p_tp} requests streamed (per prefill worker)")
         return {"moved": moved, "checked": checked, "xfer_s": xfer, "wall_s": wall}
     finally:
         p.close()
@@ -90,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for text in args.case or CASES:
         mode, p_tp, d_tp = text.split(":")
-        if mode not in ("pull", "push"):
-            ap.error(f"--case {text!r}: mode must be pull or push")
+        if mode not in ("pull", "push", "stream"):
+            ap.error(f"--case {text!r}: mode must be pull, push or stream")
         cases.append((mode, int(p_tp), int(d_tp)))
     lengths = [int(x) for x in args.lengths.split(",")]
     os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-gpu-e2e-secret-0123456789")

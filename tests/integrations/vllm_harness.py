@@ -8,6 +8,15 @@ Each engine step: ``Scheduler.schedule()`` -> every worker binds the connector m
 request is finished once every worker reported it) -> ``Scheduler.update_from_output``. Prefill workers
 "compute" a request by writing its KV shares into the blocks the scheduler gave it (``Content``); decode
 workers compare every byte of their KV memory with what it must hold.
+
+With ``EngineSpec.layerwise`` a prefill step is a forward as vLLM runs it: the workers bind the metadata, then
+write each layer's KV in forward order (layer number order) for the requests the step computes and call
+``save_kv_layer`` after each attention layer (SSM layers get no hook), optionally sleeping ``layer_s`` per
+layer (compute time, the CPU idle as under a GPU kernel), then ``start_load_kv`` and ``wait_for_save``. A
+request's attention pages get the tokens computed so far, its SSM states an intermediate value until the
+step of its last chunk: bytes posted before their layer ran, or an intermediate state, reach the decode and
+fail its byte check. ``route_concurrent`` sends requests to the decode and the prefill at once with a
+stream capability, as a router doing concurrent push does.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ class EngineSpec:
     seed: int = 0
     netns: str | None = None  # network namespace (``ip netns`` name) the workers run in; None: the test's own
     device: str = "cpu"  # "cpu", or "cuda": worker r's KV caches on GPU r % device_count (NIXL VRAM)
+    layerwise: bool = False  # prefill steps as forwards, layer by layer with save hooks (see the module docs)
+    layer_s: float = 0.0  # compute time of each layer in a layerwise forward (a sleep)
+    max_batched_tokens: int = 4096  # the scheduler's token budget per step (smaller: chunked prefill)
 
     @property
     def logical_block_size(self) -> int:
@@ -191,7 +203,11 @@ def build(spec: EngineSpec) -> tuple[Any, Any, dict[str, Any]]:
     vc = VllmConfig(
         model_config=mc,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=2048, is_encoder_decoder=False
+            max_num_seqs=16,
+            max_num_batched_tokens=spec.max_batched_tokens,
+            max_model_len=2048,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
         ),
         cache_config=CacheConfig(block_size=spec.logical_block_size, cache_dtype="auto", enable_prefix_caching=False),
         parallel_config=ParallelConfig(tensor_parallel_size=spec.tp),
@@ -278,18 +294,28 @@ class Memory:
         stride = (*(s * esz for s in v.stride()[:-1]), 1)
         return self.torch.as_strided(flat, shape, stride, (v.data_ptr() - self.base)).numpy()
 
-    def write(self, flat: Any, ids: list[list[int]], content: Content, tokens: int | None = None) -> None:
+    def write(
+        self,
+        flat: Any,
+        ids: list[list[int]],
+        content: Content,
+        tokens: int | None = None,
+        *,
+        layers: set[str] | None = None,
+        states: Content | None = None,
+    ) -> None:
         """Write ``content`` into the blocks ``ids`` (per transfer group) of this rank; attention cells only for
-        the first ``tokens`` tokens when given (what a transfer covers)."""
+        the first ``tokens`` tokens when given (what a transfer covers). ``layers``: only these layers;
+        ``states``: what SSM layers write (default ``content``; an earlier chunk's intermediate state)."""
         from vllm.v1.kv_cache_interface import MambaSpec
 
         for name in self.kv_caches:
             g = self.group_of.get(name)
-            if g is None or g >= len(ids) or not ids[g]:
+            if g is None or g >= len(ids) or not ids[g] or (layers is not None and name not in layers):
                 continue
             spec, region, view = self.specs[name], self.region_of[name], self.bytes_view(name, flat)
             if isinstance(spec, MambaSpec):
-                share = content.state_share(region, g, spec, self.rank, self.tp)
+                share = (states or content).state_share(region, g, spec, self.rank, self.tp)
                 for b in ids[g]:
                     view[b, 0, 0, : share.size] = share
                 continue
@@ -311,6 +337,21 @@ class Memory:
     def snapshot(self) -> Any:
         """A host (CPU) copy of this memory's bytes; ``write`` and ``bytes_view`` work on it."""
         return self.flat.to("cpu", copy=True)
+
+    def forward_order(self) -> list[str]:
+        """The layers in the order a forward runs them (layer number, as vLLM's models do)."""
+        return sorted(self.kv_caches, key=lambda n: (int(n.split("layers.")[1].split(".")[0]), n))
+
+    def compute_layer(self, name: str, work: list[tuple[list[list[int]], int, int, bool]], seed: int) -> None:
+        """Layer ``name`` of a forward writes its KV for each ``(ids, content index, tokens computed, last
+        chunk)`` of ``work``: attention cells of the tokens computed so far (every cell of the blocks once it is
+        the last chunk, what the byte check expects), SSM states final only in the last chunk."""
+        host = self.snapshot()
+        for ids, index, covered, last in work:
+            content = Content(seed, index, CONTENT_TOKENS)
+            states = None if last else Content(seed, index + INTERMEDIATE, CONTENT_TOKENS)
+            self.write(host, ids, content, None if last else covered, layers={name}, states=states)
+        self.flat.copy_(host)
 
 
 # ---------------------------------------------------------------------------------------------- worker process
@@ -388,6 +429,35 @@ def worker_main(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
             pass
 
 
+INTERMEDIATE = 100_000  # content index offset of the SSM states a non-last chunk leaves
+
+
+def _fail_first_transfer(connector: Any, request_ids: set[str]) -> None:
+    """Make NIXL fail (``ERR``) the first transfer this worker posts for each of ``request_ids`` (endpoint ids:
+    a push's decode request id), as a transfer of the request's first released stage failing on the wire."""
+    from hybrid_kv.transport import notifications
+
+    nixl = connector.worker.server._agent.nixl
+    real_make, real_transfer = nixl.make_prepped_xfer, nixl.transfer
+    doomed: dict[int, str] = {}
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        handle = real_make(*args, **kwargs)
+        notice = notifications.parse(kwargs.get("notif_msg", b""))
+        if notice is not None and notice.request_id in request_ids:
+            doomed[id(handle)] = notice.request_id
+        return handle
+
+    def transfer(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = doomed.pop(id(handle), None)
+        if rid is not None and rid in request_ids:
+            request_ids.discard(rid)
+            return "ERR"
+        return real_transfer(handle, *args, **kwargs)
+
+    nixl.make_prepped_xfer, nixl.transfer = make, transfer
+
+
 def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
     import torch
 
@@ -396,7 +466,7 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -463,6 +533,33 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
 
                 connector.worker.after_digest = rewrite
                 conn.send(("ok", None))
+            elif cmd == "forward":  # a prefill forward, layer by layer with vLLM's save hooks (see the module docs)
+                meta, work, fail = args
+                t0 = time.perf_counter()
+                if fail:
+                    _fail_first_transfer(connector, set(fail))
+                connector.bind_connector_metadata(meta)
+                for name in mem.forward_order():
+                    mem.compute_layer(name, work, spec.seed)
+                    if spec.layer_s:
+                        time.sleep(spec.layer_s)
+                    if not isinstance(specs[name], MambaSpec):
+                        connector.save_kv_layer(name, None, None)
+                hooks = connector.worker.hooks
+                released = (hooks.released, hooks.num_stages) if hooks is not None and hooks.active else None
+                connector.start_load_kv(None)
+                connector.wait_for_save()
+                before = mem.snapshot()
+                res = connector.get_transfer_results(set())
+                invalid = connector.get_block_ids_with_load_errors()
+                stats = connector.get_kv_connector_stats()
+                connector.clear_connector_metadata()
+                dt = time.perf_counter() - t0
+                out = (set(res.finished_sending), set(res.finished_recving), set(res.failed_recving), invalid)
+                conn.send(("ok", (*out, None if stats is None else stats.data, dt, released)))
+            elif cmd == "stream_state":  # prefill side: registrations kept, engines linked
+                w = connector.worker
+                conn.send(("ok", (w.leases.stream_reg_count(), sorted(w.links))))
             elif cmd == "step":
                 meta = args[0]
                 t0 = time.perf_counter()
@@ -484,6 +581,7 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
                             invalid,
                             None if stats is None else stats.data,
                             dt,
+                            None,
                         ),
                     )
                 )
@@ -577,6 +675,8 @@ class Engine:
     stats: list[dict[str, Any]] = field(default_factory=list)
     worker_step_s: float = 0.0
     fills: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (content index, tokens)
+    released: list[Any] = field(default_factory=list)  # layerwise forwards: (stages released by hooks, stages)
+    fail: set[str] = field(default_factory=set)  # endpoint request ids whose first posted transfer NIXL fails
 
     @classmethod
     def start(cls, spec: EngineSpec) -> Engine:
@@ -618,22 +718,29 @@ class Engine:
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
-        if self.spec.mode and so.scheduled_new_reqs:  # the prefill "forward": fill the new requests' blocks
-            fills = []
-            for new in so.scheduled_new_reqs:
-                if new.req_id in self.fills and self._is_prefill(new.req_id):
-                    index, tokens = self.fills[new.req_id]
-                    ids = self.connector.scheduler.clip(self.scheduler.kv_cache_manager.get_block_ids(new.req_id))
-                    fills.append((ids, index, tokens))
-            if fills:
-                self.workers.call("fill", fills)
-        results = self.workers.call("step", meta)
+        work = self._forward_work(so) if self.spec.layerwise else []
+        if work:
+            fail, self.fail = sorted(self.fail), set()
+            results = self.workers.call("forward", meta, work, fail)
+        else:
+            if self.spec.mode and so.scheduled_new_reqs and not self.spec.layerwise:  # the prefill "forward"
+                fills = []
+                for new in so.scheduled_new_reqs:
+                    if new.req_id in self.fills and self._is_prefill(new.req_id):
+                        index, tokens = self.fills[new.req_id]
+                        ids = self.connector.scheduler.clip(self.scheduler.kv_cache_manager.get_block_ids(new.req_id))
+                        fills.append((ids, index, tokens))
+                if fills:
+                    self.workers.call("fill", fills)
+            results = self.workers.call("step", meta)
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         invalid: set[int] = set()
-        for s, r, f, inv, stats, dt in results:
+        for s, r, f, inv, stats, dt, released in results:
             self.worker_step_s += dt
+            if released is not None:
+                self.released.append(released)
             for kind, ids, done in (("send", s, sending), ("recv", r, recving)):
                 for rid in ids:
                     n = self.pending[kind].get(rid, 0) + 1
@@ -656,7 +763,7 @@ class Engine:
         mro = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            sampled_token_ids=[self._sampled(r) for r in req_ids],
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=None,
@@ -669,6 +776,28 @@ class Engine:
                     finished[out.request_id] = out.kv_transfer_params
         self.outputs.update(finished)
         return finished
+
+    def _sampled(self, rid: str) -> list[int]:
+        """What the model runner samples for ``rid`` this step: nothing for a prefill chunk that is not the last
+        (vLLM discards it), else one token."""
+        req = self.scheduler.requests.get(rid)
+        return [] if req is not None and req.num_computed_tokens < req.num_tokens else [7]
+
+    def _forward_work(self, so: Any) -> list[tuple[list[list[int]], int, int, bool]]:
+        """This step's prefill computation: ``(blocks, content index, tokens computed after it, last chunk)`` per
+        prefill request it schedules."""
+        computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        work = []
+        for rid, n in so.num_scheduled_tokens.items():
+            if rid not in self.fills or not self._is_prefill(rid):
+                continue
+            covered = computed[rid] + n
+            last = covered >= self.scheduler.requests[rid].num_prompt_tokens
+            ids = self.connector.scheduler.clip(self.scheduler.kv_cache_manager.get_block_ids(rid))
+            work.append((ids, self.fills[rid][0], covered, last))
+        return work
 
     def _is_prefill(self, rid: str) -> bool:
         req = self.scheduler.requests.get(rid)
@@ -720,11 +849,48 @@ def move(p: Engine, d: Engine, lengths: list[int]) -> list[tuple[int, dict[str, 
     return reqs
 
 
+def stream_params(p: Engine, cap: str) -> dict[str, Any]:
+    """A decode request's ``kv_transfer_params`` for a concurrent push from ``p``, as a router writes them."""
+    return {
+        "do_remote_prefill": True,
+        "hkv_stream": cap,
+        "remote_engine_id": p.spec.engine_id,
+        "remote_host": p.spec.host,
+        "remote_port": p.spec.port,
+        "tp_size": p.spec.tp,
+    }
+
+
+def route_concurrent(
+    p: Engine, d: Engine, lengths: list[int], *, first: int = 0, wait: bool = True
+) -> list[tuple[int, dict[str, Any]]]:
+    """Send request ``first + i`` (a prompt of ``lengths[i]`` tokens, KV content ``first + i``) to ``d`` and ``p``
+    at once with one fresh capability, as a router doing concurrent push does: the decode requests first, then
+    (``wait``) both engines step until every prefill worker holds the registrations and is connected to ``d``,
+    so the prefill streams; then the prefill requests. Runs until every decode request finished and ``p`` is
+    idle. Returns ``(content index, the prefill's returned kv_transfer_params)`` per request."""
+    caps = {}
+    for k, n in enumerate(lengths):
+        i = first + k
+        caps[i] = os.urandom(16).hex()
+        d.add(f"d-{i}", prompt(i, n), stream_params(p, caps[i]), i)
+    if wait:
+        n, engine = len(lengths), d.spec.engine_id
+        run_until([d, p], lambda: all(k >= n and engine in links for k, links in p.workers.call("stream_state")))
+    for k, n in enumerate(lengths):
+        i = first + k
+        p.add(f"p-{i}", prompt(i, n), {"do_remote_decode": True, "hkv_stream": caps[i]}, i)
+        p.fills[f"p-{i}"] = (i, CONTENT_TOKENS)
+    ids = [first + k for k in range(len(lengths))]
+    run_until([p, d], lambda: all(f"d-{i}" in d.outputs for i in ids) and p.idle())
+    return [(i, dict(p.outputs[f"p-{i}"])) for i in ids]
+
+
 def verify_moved(p: Engine, d: Engine, reqs: list[tuple[int, dict[str, Any]]]) -> int:
-    """Check every byte of ``d``'s workers after ``move``: each request's blocks hold its content (attention
-    cells for the tokens the transfer covers, whole SSM states) and no other byte changed; the check reports a
-    wrong content; ``p``'s memory is unchanged; both engines are idle and ``p`` freed every block. Returns the
-    number of decode bytes checked."""
+    """Check every byte of ``d``'s workers after ``move`` (or ``route_concurrent``): each request's blocks hold its
+    content (attention cells for the tokens the transfer covers, whole SSM states) and no other byte changed;
+    the check reports a wrong content; ``p``'s memory is unchanged; both engines are idle and ``p`` freed every
+    block. Returns the number of decode bytes checked."""
     from hybrid_kv.integrations.vllm.layout import transfer_group_kinds
 
     recv = {rid: r for meta in d.metas for rid, r in meta.recv.items()}
@@ -732,12 +898,14 @@ def verify_moved(p: Engine, d: Engine, reqs: list[tuple[int, dict[str, Any]]]) -
     checks = []
     for i, params in reqs:
         r = recv[f"d-{i}"]
-        assert r.remote_block_ids == params["remote_block_ids"]
+        remote = params["remote_block_ids"]  # the prefill's blocks, as its output names them
+        if not r.cap:
+            assert r.remote_block_ids == remote
         moved = None
         for g, kind in enumerate(kinds):
             if kind != "ssm":
                 moved = min(
-                    len(r.remote_block_ids[g]) * p.spec.logical_block_size,
+                    len(remote[g]) * p.spec.logical_block_size,
                     len(r.local_block_ids[g]) * d.spec.logical_block_size,
                 )
         checks.append((r.local_block_ids, i, CONTENT_TOKENS, moved))

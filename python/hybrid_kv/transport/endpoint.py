@@ -5,11 +5,15 @@ named scope of local tables (``add_local_tables``, e.g. one peer engine's ``Peer
 connected with ``local_scope=`` post from, and each peer's remote tables. ``disconnect`` and
 ``remove_local_tables`` release exactly those handles, so one endpoint serves any number of peer engines.
 
-The endpoint is driven by ``poll()``; it never starts NIXL's progress thread (it busy-spins a core,
-and every NIXL call happens on the thread that calls the endpoint's
-methods. The only background threads are ZeroMQ ones: the side-channel server and one short-lived
-thread per handshake in flight. NIXL has no transfer timeouts, so every request carries a deadline
-that ``poll()`` enforces.
+The endpoint is driven by ``poll()``; it never starts NIXL's progress thread (it busy-spins a core).
+Every NIXL call happens inside one of the endpoint's methods, and those hold the endpoint's lock: the agent
+is created without NIXL's own thread synchronisation (its default without a listener thread), so two threads
+may use one endpoint (a worker polling while a poster thread releases the stages of a streamed request,
+``release``) but never call into the agent at the same time. ``send_control`` (the side channel only, and it
+may wait on the network) takes no lock. The endpoint's own background threads are ZeroMQ ones: the
+side-channel server and one short-lived thread per handshake in flight (fetching only; the NIXL part of a
+handshake runs in ``poll()``). NIXL has no transfer timeouts, so every request carries a deadline that
+``poll()`` enforces.
 
 The endpoint wires together ``Agent`` (the NIXL agent and the handles it owns), ``Peers``
 (handshakes and peer state), ``InFlight`` (posting, progress, completion and failure of requests)
@@ -23,10 +27,11 @@ ARCHITECTURE.md, "Threat model / trust boundary".
 from __future__ import annotations
 
 import collections
+import functools
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy.typing as npt
 import zmq
@@ -44,6 +49,21 @@ from .requests import ControlMessage, Op, PeerKey, PollResult, RequestHandle, Tr
 from .side_channel import ChannelError, MetaReply, SideChannelServer, send_control
 
 __all__ = ["MAX_QUEUED_CONTROLS", "Endpoint"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(fn: Callable[Concatenate[Endpoint, _P], _R]) -> Callable[Concatenate[Endpoint, _P], _R]:
+    """Run an endpoint method under the endpoint's lock (every NIXL call of an agent from one thread at a time)."""
+
+    @functools.wraps(fn)
+    def wrapper(ep: Endpoint, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with ep._lock:
+            return fn(ep, *args, **kwargs)
+
+    return wrapper
+
 
 MAX_QUEUED_CONTROLS = 1024
 """Control messages queued until the owner's next ``poll()``; past that, new ones are refused (the
@@ -129,6 +149,7 @@ class Endpoint:
         self._controls: collections.deque[ControlMessage] = collections.deque()
         self._controls_overflowed = False  # the current overflow was logged
         self._closed = False
+        self._lock = threading.RLock()  # held by every method that calls into the agent (see the module doc)
 
         self._agent = Agent(name, mem_type)
         self._peers = Peers(
@@ -188,6 +209,7 @@ class Endpoint:
         """
         return self._agent.strided_supported()
 
+    @_locked
     def handle_counts(self) -> dict[str, int]:
         """Live NIXL objects owned by this endpoint; all zero after ``close()``."""
         remote_dlists, remote_agents = self._peers.counts()
@@ -200,6 +222,7 @@ class Endpoint:
             "registrations": int(self._agent.registered),
         }
 
+    @_locked
     def close(self) -> None:
         """Release everything this endpoint owns (idempotent); live requests are failed and peers told."""
         if self._closed:
@@ -216,6 +239,7 @@ class Endpoint:
 
     # ------------------------------------------------------------------ local table scopes
 
+    @_locked
     def add_local_tables(self, scope: str, tables: Mapping[str, npt.ArrayLike]) -> None:
         """Prep ``tables`` (``{key: (N, 5) or (N, 3) uint64 table}``) as the named scope ``scope``, against the
         memory registered at creation (nothing is registered again).
@@ -237,6 +261,7 @@ class Endpoint:
                 raise ValueError(f"endpoint {self.name!r}: {exc}") from exc
             raise TransferError(f"endpoint {self.name!r}: NIXL refused a table of scope {scope!r}: {exc}") from exc
 
+    @_locked
     def remove_local_tables(self, scope: str) -> None:
         """Release the named scope's prepped tables (unknown scopes are ignored).
 
@@ -252,12 +277,14 @@ class Endpoint:
             )
         self._agent.remove_scope(scope)
 
+    @_locked
     def local_scopes(self) -> list[str]:
         """The named local table scopes, sorted."""
         return sorted(self._agent.scopes)
 
     # ------------------------------------------------------------------ handshake
 
+    @_locked
     def begin_connect(
         self,
         peer: PeerKey,
@@ -309,6 +336,7 @@ class Endpoint:
             peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name, reply, local_scope
         )
 
+    @_locked
     def connect(
         self,
         peer: PeerKey,
@@ -358,6 +386,7 @@ class Endpoint:
             raise err
         return state.payload
 
+    @_locked
     def disconnect(self, peer: PeerKey, reason: str = "was disconnected") -> None:
         """Forget ``peer``: fail its live requests (telling it), release its remote tables and unload its NIXL
         agent. Nothing else is touched (its local table scope stays until ``remove_local_tables``). Unknown
@@ -368,6 +397,7 @@ class Endpoint:
             self._requests.fail_peer(old.key, f"peer {peer!r} {reason}")
             self._peers.drop(old)
 
+    @_locked
     def peer_state(self, peer: PeerKey) -> tuple[str, str]:
         """``(state, reason)`` of ``peer``: state is ``connecting``, ``ready`` or ``down``."""
         state = self._peers.get(peer)
@@ -375,11 +405,13 @@ class Endpoint:
             return ("unknown", f"peer {peer!r} was never connected")
         return (state.state, state.reason)
 
+    @_locked
     def remote_agent(self, peer: PeerKey) -> str | None:
         """The NIXL agent name of a connected peer (senders in ``PollResult`` use these names)."""
         state = self._peers.get(peer)
         return None if state is None else state.agent_name
 
+    @_locked
     def peer_of(self, agent_name: str) -> PeerKey | None:
         """The key of the peer connected to agent ``agent_name`` (at most one), or ``None``.
 
@@ -415,6 +447,7 @@ class Endpoint:
 
     # ------------------------------------------------------------------ requests
 
+    @_locked
     def post(
         self,
         request_id: str,
@@ -424,6 +457,7 @@ class Endpoint:
         *,
         digests: Mapping[PeerKey, int] | None = None,
         check: Callable[[], str | None] | None = None,
+        stages: Sequence[int] | None = None,
     ) -> RequestHandle:
         """Check and post a request: every transfer READs (pull) or WRITEs (push) with one peer.
 
@@ -436,13 +470,45 @@ class Endpoint:
         mismatch) fails the request instead of completing it (pull: this side compares its digest with the
         peer's). A check that raises fails the request with the exception as the reason.
 
+        ``stages``: one stage index per transfer makes the request *staged*: it is checked now, but a
+        transfer is posted only once ``release`` released its stage. Done-notices are numbered over the whole
+        request, so the peer sees it done once every stage landed; a failure (or the deadline, which runs from
+        now) fails the whole request.
+
         Raises:
             TransferError: bad op, duplicate request id, unknown peer or table, peer down, an id out
-                of range (the message names it and the limit), or descriptor lengths that differ.
+                of range (the message names it and the limit), descriptor lengths that differ, or stages that
+                are not one non-negative index per transfer.
         """
         self._check_open()
-        return self._requests.post(request_id, transfers, op, deadline_s, digests, check)
+        return self._requests.post(request_id, transfers, op, deadline_s, digests, check, stages)
 
+    @_locked
+    def release(self, request_id: str, stages: int) -> bool:
+        """Post the transfers of staged request ``request_id`` whose stage is below ``stages`` (any thread).
+
+        Returns whether the request is a live staged request (``False``: unknown, finished or failed; nothing
+        is posted). A NIXL error fails the request, reported by the next ``poll()`` as any failure.
+        """
+        self._check_open()
+        return self._requests.release(request_id, stages)
+
+    @_locked
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Fail live request ``request_id`` now, as any failure (its ready peers are told; the next ``poll()``
+        reports it); whether it was live. Transfers already posted may still land: the peer fails it anyway."""
+        self._check_open()
+        return self._requests.cancel(request_id, reason)
+
+    @_locked
+    def progress(self) -> None:
+        """Progress posted transfers and the side channel's queue without taking the events (any thread):
+        what happened stays for the next ``poll()``. Transports that move bytes in software (UCX over TCP)
+        move them only while someone progresses the agent."""
+        if not self._closed:
+            self._progress()
+
+    @_locked
     def expect(
         self,
         request_id: str,
@@ -471,6 +537,7 @@ class Endpoint:
         seen = self._inbox.expect_from(request_id, names, deadline_s)
         return self._requests.expect(request_id, deadline_s, len(names), seen, check)
 
+    @_locked
     def poll(self) -> PollResult:
         """Progress everything once and return what happened since the last call (never blocks)."""
         self._check_open()

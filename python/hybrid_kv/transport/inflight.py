@@ -1,16 +1,18 @@
 """``InFlight``: an endpoint's live requests, from checking and posting to completion or failure.
 
 Active requests (``post``) carry one NIXL xfer handle per transfer; each handle is released as soon
-as its transfer is DONE or the request fails. Passive requests (``expect``) complete once enough
-senders' done-notices arrived (see ``inbox``). What happens is collected in ``events`` until the
-endpoint's next ``poll()``.
+as its transfer is DONE or the request fails. A staged request (``post(..., stages=)``) is checked whole
+but posts a transfer only once its stage is released (``release``): its done-notices are numbered over the
+whole request, so the peer sees it done only when every stage landed, and a failure fails all of it.
+Passive requests (``expect``) complete once enough senders' done-notices arrived (see ``inbox``). What
+happens is collected in ``events`` until the endpoint's next ``poll()``.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +66,7 @@ class InFlight:
         deadline_s: float,
         digests: Mapping[PeerKey, int] | None = None,
         check: Callable[[], str | None] | None = None,
+        stages: Sequence[int] | None = None,
     ) -> RequestHandle:
         """Check and post an active request (see ``Endpoint.post``); its deadline starts once checked."""
         if op not in ("READ", "WRITE"):
@@ -72,7 +75,16 @@ class InFlight:
         checked = tuple(self._check_transfer(request_id, Transfer(*t)) for t in transfers)
         if not checked:
             raise TransferError(f"request {request_id!r} has no transfers", request_id=request_id)
-        req = RequestHandle(request_id, op, checked, time.monotonic() + deadline_s)
+        stage = None
+        if stages is not None:
+            stage = tuple(int(k) for k in stages)
+            if len(stage) != len(checked) or any(k < 0 for k in stage):
+                raise TransferError(
+                    f"request {request_id!r}: {len(stage)} stages for {len(checked)} transfers (one non-negative "
+                    "stage per transfer)",
+                    request_id=request_id,
+                )
+        req = RequestHandle(request_id, op, checked, time.monotonic() + deadline_s, _stage=stage)
         req.digests = dict(digests or {})
         req.check = check
         self._by_id[request_id] = req
@@ -96,6 +108,27 @@ class InFlight:
         self._by_id[request_id] = req
         self._complete_if_all_senders(req)
         return req
+
+    def release(self, request_id: str, stages: int) -> bool:
+        """Post the transfers of staged request ``request_id`` whose stage is below ``stages`` (those not
+        posted yet; a request still waiting for a handshake posts them when it starts). Returns whether the
+        request is staged and live (a finished or unknown request is left alone)."""
+        req = self._by_id.get(request_id)
+        if req is None or req.finished or req._stage is None:
+            return False
+        if stages > req._released:
+            req._released = stages
+            if req.state is RequestState.POSTED:
+                self._post_due(req)
+        return True
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Fail live request ``request_id`` now (telling its peers); whether it was live."""
+        req = self._by_id.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.fail(req, reason)
+        return True
 
     # ------------------------------------------------------------------ progress
 
@@ -232,13 +265,29 @@ class InFlight:
     def _start(self, req: RequestHandle) -> None:
         per_peer = collections.Counter(t.peer for t in req.transfers)
         index: collections.Counter[PeerKey] = collections.Counter()
-        req._xfers = [None] * len(req.transfers)
-        req._done = [False] * len(req.transfers)
-        req.state = RequestState.POSTED
-        assert req.op is not None
-        for i, t in enumerate(req.transfers):  # make every handle before posting any
-            msg = notifications.done_message(req.request_id, index[t.peer], per_peer[t.peer], req.digests.get(t.peer))
+        n = len(req.transfers)
+        req._xfers, req._posted, req._done = [None] * n, [False] * n, [False] * n
+        req._notifs = []
+        for t in req.transfers:  # numbered over the whole request: the peer counts every stage
+            req._notifs.append(
+                notifications.done_message(req.request_id, index[t.peer], per_peer[t.peer], req.digests.get(t.peer))
+            )
             index[t.peer] += 1
+        req.state = RequestState.POSTED
+        self._post_due(req)
+
+    def _post_due(self, req: RequestHandle) -> None:
+        """Post every transfer of ``req`` that is due (all of them; for a staged request, those of released
+        stages) and not posted yet: every handle is made before any is posted."""
+        assert req.op is not None
+        stage = req._stage
+        due = [
+            i for i in range(len(req.transfers)) if not req._posted[i] and (stage is None or stage[i] < req._released)
+        ]
+        if not due:
+            return
+        for i in due:
+            t = req.transfers[i]
             peer = self._peers[t.peer]
             try:
                 req._xfers[i] = self._agent.nixl.make_prepped_xfer(
@@ -247,14 +296,15 @@ class InFlight:
                     t.local_ids,
                     peer.dlists[t.remote_key],
                     t.remote_ids,
-                    notif_msg=msg,
+                    notif_msg=req._notifs[i],
                 )
             except CALL_ERRORS as exc:
                 self._on_nixl_error(req, t.peer, exc)
                 return
-        for i, xfer in enumerate(req._xfers):
+        for i in due:
+            req._posted[i] = True
             try:
-                status = self._agent.nixl.transfer(xfer)
+                status = self._agent.nixl.transfer(req._xfers[i])
             except CALL_ERRORS as exc:
                 self._on_nixl_error(req, req.transfers[i].peer, exc)
                 return
@@ -344,4 +394,5 @@ class InFlight:
             return f"deadline exceeded: {len(req._seen)} of {req._senders} senders completed"
         if req.state is RequestState.QUEUED:
             return "deadline exceeded while waiting for a handshake"
-        return f"deadline exceeded with {sum(req._done)} of {len(req.transfers)} transfers done"
+        staged = "" if req._stage is None else f" ({req._released} stages released)"
+        return f"deadline exceeded with {sum(req._done)} of {len(req.transfers)} transfers done{staged}"

@@ -104,9 +104,15 @@ class RequestHandle:
     state: RequestState = RequestState.QUEUED
     error: TransferError | None = None
     stats: TransferStats = field(default_factory=TransferStats)
-    # one slot per transfer: the NIXL xfer handle while it exists, and whether it reached DONE
+    # one slot per transfer: the NIXL xfer handle while it exists, whether it was posted and reached DONE
     _xfers: list[Any] = field(default_factory=list, repr=False)
+    _posted: list[bool] = field(default_factory=list, repr=False)
     _done: list[bool] = field(default_factory=list, repr=False)
+    _notifs: list[bytes] = field(default_factory=list, repr=False)  # each transfer's done-notice
+    # staged requests (``Endpoint.post(..., stages=)``): each transfer's stage, and the stages released so far
+    # (transfers of stages ``< _released`` are posted); ``None`` for a request posted whole
+    _stage: tuple[int, ...] | None = field(default=None, repr=False)
+    _released: int = 0
     # passive requests: senders still owed, senders seen (with the digest their notices carried)
     _senders: int = 0
     _seen: dict[str, int | None] = field(default_factory=dict, repr=False)
@@ -114,6 +120,12 @@ class RequestHandle:
     # once the request's bytes all landed: active ``() -> reason | None``, passive ``(digests by sender) -> ...``
     digests: dict[PeerKey, int] = field(default_factory=dict, repr=False)
     check: Callable[..., str | None] | None = field(default=None, repr=False)
+
+    @property
+    def released(self) -> int | None:
+        """Staged requests: how many stages were released (their transfers posted, or queued behind a
+        handshake); ``None`` for a request posted whole."""
+        return None if self._stage is None else self._released
 
     @property
     def finished(self) -> bool:

@@ -119,12 +119,13 @@ impl PeerPlan {
         let slots = Slots::new(
             &groups,
             &region_groups,
-            &ssm_bases(states, (&local_space, &remote_space)),
+            (&ssm_bases(states, (&local_space, &remote_space)), &local.ssm_regions),
             (&local_space, &remote_space),
             &chunks,
         );
         Ok(PeerPlan {
             mode,
+            num_regions: local.regions.len(),
             mapping,
             units,
             local_tables,

@@ -7,9 +7,14 @@
 //! starts), so a group's chunk ids are resolved once per layout and request, not once per region: a slot
 //! then adds its region's base to each relative id (the chunk rows' base for chunks, the region's own
 //! units' base for lone units).
+//!
+//! Every slot is one (region, group) pair, i.e. one layer's pages or states in one tensor: [`Slots::emit_staged`]
+//! writes each slot's ids to the stage its pair belongs to, so a request's stages are exactly its ids cut by
+//! (region, group), each id once.
 
 use super::ids::{window_units, IdSpace};
 use super::runs::{chunk_runs, Run, UnitCursor};
+use super::stages::StageMap;
 use super::trim::Window;
 use crate::core::coalesce::ChunkStarts;
 use crate::core::region::GroupKind;
@@ -31,6 +36,7 @@ pub(crate) struct Slots {
 #[derive(Debug, Clone, Copy)]
 struct AttnSlot {
     group: usize,
+    region: usize,
     /// Flat starts of the region's unit descriptors, local and remote.
     start: (u64, u64),
     /// Coalesced: the index into the group's layouts and the flat starts of the region's chunk rows.
@@ -41,6 +47,7 @@ struct AttnSlot {
 #[derive(Debug, Clone, Copy)]
 struct SsmSlot {
     group: usize,
+    region: usize,
     start: (u64, u64),
 }
 
@@ -71,12 +78,13 @@ pub(crate) struct Windows<'a> {
 
 impl Slots {
     /// Slots of `region_groups` (attention groups per region) and, per SSM group, one slot per entry of
-    /// `ssm_bases` (the flat `(local, remote)` starts of every SSM piece row, or of every whole-state row);
-    /// `chunks` are the per-region chunk starts of the coalesced regions.
+    /// `ssm_bases` (the flat `(local, remote)` starts of every SSM piece row, or of every whole-state row:
+    /// the same number per region of `ssm_regions`, in that order); `chunks` are the per-region chunk starts of
+    /// the coalesced regions.
     pub(crate) fn new(
         groups: &[GroupKind],
         region_groups: &[Vec<usize>],
-        ssm_bases: &[(u64, u64)],
+        (ssm_bases, ssm_regions): (&[(u64, u64)], &[usize]),
         (local, remote): (&IdSpace, &IdSpace),
         chunks: &[Option<(ChunkStarts, ChunkStarts)>],
     ) -> Slots {
@@ -109,6 +117,7 @@ impl Slots {
                 let start = (local.region_start[r], remote.region_start[r]);
                 attn.push(AttnSlot {
                     group: g,
+                    region: r,
                     start,
                     chunks,
                 });
@@ -118,9 +127,16 @@ impl Slots {
         for &g in &ssm_groups {
             slot_counts[g].1 = ssm_bases.len();
         }
+        // Piece rows (or whole-state rows) come region by region, the same number for each SSM region.
+        let per_region = ssm_bases.len().checked_div(ssm_regions.len()).unwrap_or(0).max(1);
+        debug_assert!(ssm_bases.is_empty() || ssm_bases.len() == per_region * ssm_regions.len());
         let ssm = ssm_bases
             .iter()
-            .flat_map(|&start| ssm_groups.iter().map(move |&group| SsmSlot { group, start }))
+            .enumerate()
+            .flat_map(|(k, &start)| {
+                let region = ssm_regions.get(k / per_region).copied().unwrap_or(0);
+                ssm_groups.iter().map(move |&group| SsmSlot { group, region, start })
+            })
             .collect();
         Slots {
             attn,
@@ -212,29 +228,71 @@ impl Slots {
             local: &mut lo[l0..],
             remote: &mut ro[r0..],
         };
-        let plain = |start: (u64, u64), units: &(Vec<u64>, Vec<u64>), (l, r): (&mut [i32], &mut [i32])| {
-            l.iter_mut().zip(&units.0).for_each(|(o, &u)| *o = (start.0 + u) as i32);
-            r.iter_mut().zip(&units.1).for_each(|(o, &u)| *o = (start.1 + u) as i32);
-        };
         for s in self.attn.iter().filter(|s| mask[s.group]) {
             let g = &ids[s.group];
-            match (s.chunks, &g.chunked) {
-                (Some((i, (lb, rb))), Some(ChunkedIds { is_chunk, per_layout })) => {
-                    let (local, remote) = &per_layout[i];
-                    let (l, r) = out.take(is_chunk.len());
-                    let rel = local.iter().zip(remote).zip(is_chunk);
-                    for ((ol, or), ((&kl, &kr), &chunk)) in l.iter_mut().zip(r).zip(rel) {
-                        let (bl, br) = if chunk { (lb, rb) } else { s.start };
-                        (*ol, *or) = ((bl + kl) as i32, (br + kr) as i32);
-                    }
-                }
-                _ => plain(s.start, &g.units, out.take(g.len)),
-            }
+            write_attn(s, g, out.take(attn_len(s, g)));
         }
         for s in self.ssm.iter().filter(|s| mask[s.group]) {
-            plain(s.start, &ids[s.group].units, out.take(ids[s.group].len));
+            let g = &ids[s.group];
+            write_plain(s.start, &g.units, out.take(g.len));
         }
     }
+
+    /// [`Slots::emit`] cut by stage: the ids of each slot of the groups in `mask` are appended to
+    /// `outs[stages.of(region, group)]` (local ids, remote ids), in emission order within each stage.
+    pub(crate) fn emit_staged(
+        &self,
+        mask: &[bool],
+        ids: &[GroupIds],
+        stages: &StageMap,
+        outs: &mut [(Vec<i32>, Vec<i32>)],
+    ) {
+        let grow = |(lo, ro): &mut (Vec<i32>, Vec<i32>), n: usize| {
+            let (l0, r0) = (lo.len(), ro.len());
+            lo.resize(l0 + n, 0);
+            ro.resize(r0 + n, 0);
+            (l0, r0)
+        };
+        for s in self.attn.iter().filter(|s| mask[s.group]) {
+            let (g, out) = (&ids[s.group], &mut outs[stages.of(s.region, s.group)]);
+            let (l0, r0) = grow(out, attn_len(s, g));
+            write_attn(s, g, (&mut out.0[l0..], &mut out.1[r0..]));
+        }
+        for s in self.ssm.iter().filter(|s| mask[s.group]) {
+            let (g, out) = (&ids[s.group], &mut outs[stages.of(s.region, s.group)]);
+            let (l0, r0) = grow(out, g.len);
+            write_plain(s.start, &g.units, (&mut out.0[l0..], &mut out.1[r0..]));
+        }
+    }
+}
+
+/// Ids one attention slot emits for group ids `g`: one per run when both are coalesced, else one per unit.
+fn attn_len(s: &AttnSlot, g: &GroupIds) -> usize {
+    match (s.chunks, &g.chunked) {
+        (Some(_), Some(c)) => c.is_chunk.len(),
+        _ => g.len,
+    }
+}
+
+/// Write one attention slot's ids into `l` and `r` (exactly [`attn_len`] of each).
+fn write_attn(s: &AttnSlot, g: &GroupIds, (l, r): (&mut [i32], &mut [i32])) {
+    match (s.chunks, &g.chunked) {
+        (Some((i, (lb, rb))), Some(ChunkedIds { is_chunk, per_layout })) => {
+            let (local, remote) = &per_layout[i];
+            let rel = local.iter().zip(remote).zip(is_chunk);
+            for ((ol, or), ((&kl, &kr), &chunk)) in l.iter_mut().zip(r).zip(rel) {
+                let (bl, br) = if chunk { (lb, rb) } else { s.start };
+                (*ol, *or) = ((bl + kl) as i32, (br + kr) as i32);
+            }
+        }
+        _ => write_plain(s.start, &g.units, (l, r)),
+    }
+}
+
+/// Write unit (or state) ids relative to `start` into `l` and `r`.
+fn write_plain(start: (u64, u64), units: &(Vec<u64>, Vec<u64>), (l, r): (&mut [i32], &mut [i32])) {
+    l.iter_mut().zip(&units.0).for_each(|(o, &u)| *o = (start.0 + u) as i32);
+    r.iter_mut().zip(&units.1).for_each(|(o, &u)| *o = (start.1 + u) as i32);
 }
 
 /// The not yet written part of a route's local and remote id lists.
@@ -279,7 +337,7 @@ mod tests {
         let groups = [GroupKind::Attention];
         let region_groups = vec![vec![0], vec![0], vec![0]];
         let space = IdSpace::new(&counts, 150, 0, 1, 1, 16, 40, &region_groups, &groups);
-        let slots = Slots::new(&groups, &region_groups, &[], (&space, &space), &chunks);
+        let slots = Slots::new(&groups, &region_groups, (&[], &[]), (&space, &space), &chunks);
         assert_eq!(slots.layouts.len(), 2);
         // Runs of 12, 8 and 2 units consecutive on both sides: three 4-unit chunks, one 8 and one 2.
         let lids = vec![(0..20).chain([30, 31]).collect::<Vec<u64>>()];

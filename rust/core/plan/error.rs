@@ -143,6 +143,9 @@ pub enum PlanError {
     /// A transfer index or descriptor id that does not exist.
     #[error("{0}")]
     BadTransfer(String),
+    /// A stage map that does not fit the local table (its shape or a stage index), see [`super::StageMap`].
+    #[error("stage map: {0}")]
+    BadStages(String),
     /// A count that would size an allocation is over its limit (checked before anything is allocated).
     #[error("{what} is {value}, over the limit of {limit}")]
     OverLimit {

@@ -78,6 +78,7 @@ pub fn table_of(meta: &AgentMeta) -> Result<RegionTable, PlanError> {
         device: meta.device_id,
         mem_type: meta.mem_type,
         chunked_bases: ChunkedBases::default(),
+        layers: Vec::new(), // layer names never travel in a payload; a mirror plans, it does not stream
     })
 }
 

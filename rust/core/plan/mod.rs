@@ -35,6 +35,7 @@ mod routes;
 mod rows;
 mod runs;
 pub mod split;
+mod stages;
 pub mod trim;
 
 #[cfg(test)]
@@ -44,12 +45,15 @@ mod failed_tests;
 #[cfg(test)]
 mod mirror_tests;
 #[cfg(test)]
+mod stages_tests;
+#[cfg(test)]
 mod tests;
 
 pub use self::checks::{REMOTE_UNITS_FACTOR, REMOTE_UNITS_FLOOR};
 pub use self::error::{PlanError, Side};
 pub use self::key::TableKey;
 pub use self::mirror::{table_of, Mirror};
+pub use self::stages::StageMap;
 
 use std::sync::Arc;
 
@@ -57,7 +61,7 @@ use self::emit::{Slots, Windows};
 use self::failed::BlockMap;
 use self::ids::IdSpace;
 use self::routes::{attention_ranks, Route};
-use self::trim::{trim, GroupTrim};
+use self::trim::{trim, GroupTrim, Window};
 use super::descs::DescTable;
 use super::meta::TransferMode;
 use super::region::GroupKind;
@@ -102,6 +106,7 @@ pub struct PeerPlan {
     /// Remote tables by remote rank, ascending.
     pub remote_tables: Vec<(u32, DescTable)>,
     groups: Vec<GroupKind>,
+    num_regions: usize,
     local: IdSpace,
     remote: IdSpace,
     routes: Vec<Route>,
@@ -152,31 +157,8 @@ impl PeerPlan {
     pub fn plan_into(&self, local_ids: &[Vec<u64>], remote_ids: &[Vec<u64>], out: &mut Plan) -> Result<(), PlanError> {
         let mut spare = std::mem::take(&mut out.transfers);
         out.notify_ranks.clear();
-        self.local.check(Side::Local, local_ids)?;
-        self.remote.check(Side::Remote, remote_ids)?;
+        let (lw, rw) = self.windows(local_ids, remote_ids)?;
         let (lu, ru) = (self.local.units_per_logical, self.remote.units_per_logical);
-        let same = self.local.logical_tokens == self.remote.logical_tokens;
-        let mut lw = Vec::with_capacity(self.groups.len());
-        let mut rw = Vec::with_capacity(self.groups.len());
-        for (g, &kind) in self.groups.iter().enumerate() {
-            let (lm, rm) = if kind.is_attention() { (lu, ru) } else { (1, 1) };
-            let (nl, nr) = (local_ids[g].len() as u64 * lm, remote_ids[g].len() as u64 * rm);
-            let t = GroupTrim {
-                group: g,
-                kind,
-                same_logical_tokens: same,
-                slack: lu + ru,
-            };
-            let (l, r) = match self.mode {
-                TransferMode::Pull => trim(t, nl, nr)?,
-                TransferMode::Push => {
-                    let (d, p) = trim(t, nr, nl)?;
-                    (p, d)
-                }
-            };
-            lw.push(l);
-            rw.push(r);
-        }
         let windows = Windows {
             local: (local_ids, &lw, lu),
             remote: (remote_ids, &rw, ru),
@@ -216,6 +198,41 @@ impl PeerPlan {
         out.transfers = transfers;
         out.notify_ranks.extend(self.remote_tables.iter().map(|(r, _)| *r));
         Ok(())
+    }
+
+    /// Check both sides' ids and pair their lists: the transferred window of every group on each side
+    /// (prefix-cache trimming, `trim.rs`).
+    fn windows(
+        &self,
+        local_ids: &[Vec<u64>],
+        remote_ids: &[Vec<u64>],
+    ) -> Result<(Vec<Window>, Vec<Window>), PlanError> {
+        self.local.check(Side::Local, local_ids)?;
+        self.remote.check(Side::Remote, remote_ids)?;
+        let (lu, ru) = (self.local.units_per_logical, self.remote.units_per_logical);
+        let same = self.local.logical_tokens == self.remote.logical_tokens;
+        let mut lw = Vec::with_capacity(self.groups.len());
+        let mut rw = Vec::with_capacity(self.groups.len());
+        for (g, &kind) in self.groups.iter().enumerate() {
+            let (lm, rm) = if kind.is_attention() { (lu, ru) } else { (1, 1) };
+            let (nl, nr) = (local_ids[g].len() as u64 * lm, remote_ids[g].len() as u64 * rm);
+            let t = GroupTrim {
+                group: g,
+                kind,
+                same_logical_tokens: same,
+                slack: lu + ru,
+            };
+            let (l, r) = match self.mode {
+                TransferMode::Pull => trim(t, nl, nr)?,
+                TransferMode::Push => {
+                    let (d, p) = trim(t, nr, nl)?;
+                    (p, d)
+                }
+            };
+            lw.push(l);
+            rw.push(r);
+        }
+        Ok((lw, rw))
     }
 
     /// Resolve a transfer into byte moves `[local_addr, remote_addr, len]`, one per descriptor pair.

@@ -73,6 +73,13 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
         60.0,
         "push mode: how long a decode request waits for the prefill engine's WRITEs",
     ),
+    "stream": (
+        "HYBRID_KV_STREAM",
+        True,
+        "push mode: post each layer's KV while the request's last prefill forward still runs, for requests whose "
+        "decode registered during the prefill (the router sent both with one `hkv_stream` capability); `false` "
+        "pushes every request after it finished",
+    ),
     "ucx_tls": ("HYBRID_KV_UCX_TLS", None, "sets `UCX_TLS` for the NIXL agent (e.g. `tcp`, `rc,cuda_copy`)"),
     "insecure": (
         "HYBRID_KV_INSECURE",
@@ -128,6 +135,7 @@ class ConnectorConfig:
     lease_max_extension_s: float
     peer_networks: str | None
     push_registration_timeout_s: float
+    stream: bool
     ucx_tls: str | None
     insecure: bool
     coalesce: bool

@@ -1,8 +1,10 @@
 """``HybridKvConnector``: the class vLLM instantiates (``kv_connector``/``kv_connector_module_path``).
 
 It forwards the scheduler hooks to ``SchedulerHalf`` and the worker hooks to ``WorkerHalf``; loads complete
-asynchronously (between steps), saves are the decode's READs (pull) or the prefill's WRITEs after the request
-finished (push), so ``save_kv_layer``/``wait_for_layer_load`` have nothing to do per layer.
+asynchronously (between steps), saves are the decode's READs (pull) or the prefill's WRITEs (push), so
+``wait_for_layer_load`` has nothing to do per layer. In push mode a request whose decode registered during the
+prefill streams: ``bind_connector_metadata`` (before the forward) starts it, ``save_kv_layer`` releases what
+each attention layer's hook proves final and ``wait_for_save`` the rest, none of them waiting (``hybrid_kv.streaming``).
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, HybridKvMetadata):
+            self.worker.begin_step(connector_metadata)  # before the forward (start_load_kv may come after it)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, HybridKvMetadata):
@@ -116,10 +123,12 @@ class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, 
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        if self.worker is not None:
+            self.worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        if self.worker is not None:
+            self.worker.end_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self._work().get_finished()

@@ -15,6 +15,13 @@ Every message about a prefill request carries the ``grant`` of the ticket the pr
   the ticket's ``max_expires_at``).
 - ``PushReg`` (decode -> prefill, push): write the request into these decode blocks of engine ``engine``
   (sent by that engine's rank, which the prefill checks against the sender's name).
+- ``StreamReg`` (decode -> prefill, concurrent push): as ``PushReg``, for a request the router sent to both
+  engines at once: it names the prefill request by the router's capability ``cap`` (``params``), not by a
+  ticket, which does not exist yet (the prefill acts on it only for the request of its own that carries the
+  same capability: ``leases.LeaseBook``), and says until when the decode waits (``until``: its blocks may be
+  reused after it, so the prefill's writes must end before it, whatever the prefill's queue). With ``verify``
+  the prefill does not stream: a digest must be of final bytes, so it pushes the request whole after its
+  forward, digests in its notices.
 - ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank (and, when the
   decode asked for verification, the sender's payload, from which the decode rebuilds its moves).
 - ``VerifyAsk`` (decode -> prefill, pull, ``verify``): digest your side of this request's moves with this
@@ -33,9 +40,11 @@ import msgspec
 
 from ...limits import MAX_TP_SIZE
 from ...verify import MAX_PAYLOAD_BYTES, Algo
-from .tickets import BlockIdLists, Grant, Name, RequestId, WallTime
+from .tickets import GRANT_BYTES, BlockIdLists, Grant, Name, RequestId, WallTime
 
 __all__ = [
+    "CAP_BYTES",
+    "Cap",
     "Control",
     "ControlError",
     "PushPlan",
@@ -43,6 +52,7 @@ __all__ = [
     "Refusals",
     "Release",
     "Renew",
+    "StreamReg",
     "VerifyAnswer",
     "VerifyAsk",
     "decode",
@@ -55,6 +65,9 @@ log = logging.getLogger("hybrid_kv.integrations.vllm.control")
 
 TAG_FIELD = "hkv_vllm"
 
+CAP_BYTES = GRANT_BYTES
+"""Bytes of a concurrent-push capability (128 random bits, as a grant)."""
+Cap = Annotated[bytes, msgspec.Meta(min_length=CAP_BYTES, max_length=CAP_BYTES)]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
@@ -93,6 +106,18 @@ class PushReg(msgspec.Struct, tag="push_reg", tag_field=TAG_FIELD, frozen=True, 
     verify: bool = False  # the decode checks this request's digests (the writers put theirs in their notices)
 
 
+class StreamReg(msgspec.Struct, tag="stream_reg", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
+    cap: Cap
+    d_req: RequestId
+    ids: BlockIdLists
+    engine: Name
+    host: Host
+    port: Port  # side channel of the decode engine's TP rank 0
+    tp: TpSize
+    until: WallTime  # the decode stops waiting then (wall clock) and may reuse the blocks: write nothing later
+    verify: bool = False  # the decode checks this request's digests: then it is pushed whole, not streamed
+
+
 class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
     d_req: RequestId
     writes: bool
@@ -120,7 +145,7 @@ class VerifyAnswer(msgspec.Struct, tag="verify_answer", tag_field=TAG_FIELD, fro
     error: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
-Control = Release | Renew | PushReg | PushPlan | VerifyAsk | VerifyAnswer
+Control = Release | Renew | PushReg | PushPlan | StreamReg | VerifyAsk | VerifyAnswer
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)

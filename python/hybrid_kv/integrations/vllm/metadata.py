@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["BlockIds", "HybridKvMetadata", "RecvReq", "SendLease"]
+__all__ = ["BlockIds", "HybridKvMetadata", "RecvReq", "SendLease", "StreamSend"]
 
 BlockIds = list[list[int]]
 
@@ -16,8 +16,10 @@ class RecvReq:
     """A decode request whose KV comes from a prefill engine (pull: READ it; push: register and await it).
 
     Every ``remote_*`` field comes from the prefill's verified ticket (``tickets``), never from the API
-    client. ``refused``: the reason the request's ``kv_transfer_params`` were refused (its remote fields are
-    then empty); the worker fails such a request at once, through the failed-load path.
+    client, except for a concurrent push (``cap`` set): the router's capability and the prefill engine's address,
+    checked by ``params`` (the decode then only registers its own blocks there, ``control.StreamReg``).
+    ``refused``: the reason the request's ``kv_transfer_params`` were refused (its remote fields are then empty);
+    the worker fails such a request at once, through the failed-load path.
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class RecvReq:
     grant: bytes = b""  # the ticket's grant: every control message about this request carries it
     refused: str | None = None
     verify: bool = False  # check this request's transfer digests end to end (the scheduler's ``verify`` choice)
+    cap: bytes = b""  # a concurrent push's capability (then no ticket, remote_request_id and remote_block_ids)
 
     @classmethod
     def refusal(cls, request_id: str, local_block_ids: BlockIds, reason: str) -> RecvReq:
@@ -50,6 +53,16 @@ class SendLease:
     lease_s: float
     grant: bytes
     max_extension_s: float
+    cap: bytes = b""  # the request's concurrent-push capability: a decode's ``StreamReg`` with it registers
+
+
+@dataclass
+class StreamSend:
+    """A prefill request in its last prefill step that a decode may have registered for (concurrent push): the
+    worker may post its KV layer by layer during this step's forward (``stream``)."""
+
+    cap: bytes
+    block_ids: BlockIds  # its transferable blocks per transfer group, as the lease will hold them
 
 
 @dataclass
@@ -57,9 +70,13 @@ class HybridKvMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore
     """One step's work for the workers.
 
     ``recv``: decode requests to load. ``send``: prefill requests whose blocks are now leased to a decode
-    engine. ``aborted``: prefill requests freed without a transfer.
+    engine. ``aborted``: prefill requests freed without a transfer. ``stream``: prefill requests whose last
+    prefill step this is, with a capability (they may stream). ``stream_ended``: such requests that ended
+    without a lease (aborted): their blocks are held until what was posted for them ended.
     """
 
     recv: dict[str, RecvReq] = field(default_factory=dict)
     send: dict[str, SendLease] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
+    stream: dict[str, StreamSend] = field(default_factory=dict)
+    stream_ended: set[str] = field(default_factory=set)

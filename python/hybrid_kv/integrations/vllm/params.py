@@ -10,6 +10,16 @@ signature (``tickets``), its fields' types and ranges, its mode (this engine's),
 engine's transfer groups), each group's length (at most what the request can hold here, see
 ``max_blocks``), that its lease has not ended, its host against the allowed peer networks, and that it was
 not used before (``SpentTickets``).
+
+Concurrent push (the router sends a request to the prefill and the decode engine at once, so the decode can
+register before the prefill's forward ends and the prefill streams its KV): no ticket exists yet. The router
+puts a fresh random capability in both requests' params (``hkv_stream``: 32 lowercase hex digits, 128 bits)
+and the prefill engine's address in the decode's (the NixlConnector-style ``remote_engine_id``,
+``remote_host``, ``remote_port``, ``tp_size``). The decode acts on them only in push mode, dials only a host
+inside the allowed peer networks, and uses a capability once; it registers its own blocks for its own
+request and names no prefill block, so there is nothing for a signature to protect: the capability is what
+joins the two requests (a prefill writes a request only to the first decode engine presenting the
+capability its own request carries, see ``leases``). ARCHITECTURE.md's threat model has the analysis.
 """
 
 from __future__ import annotations
@@ -22,13 +32,27 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .tickets import MAX_TICKET_CHARS, TICKET_FIELD, SpentTickets, Ticket, TicketError, TicketKey
+from ...limits import MAX_TP_SIZE
+from .tickets import MAX_TICKET_CHARS, TICKET_FIELD, Name, SpentTickets, Ticket, TicketError, TicketKey
 
-__all__ = ["RecvParams", "TransferParams", "parse_networks"]
+__all__ = [
+    "STREAM_FIELD",
+    "RecvParams",
+    "StreamGrant",
+    "StreamParams",
+    "TransferParams",
+    "parse_networks",
+    "stream_cap",
+]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm.params")
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+STREAM_FIELD = "hkv_stream"
+"""The ``kv_transfer_params`` key of a concurrent push's capability (in the prefill's and the decode's params)."""
+CapText = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 
 
 class RecvParams(msgspec.Struct):
@@ -36,6 +60,46 @@ class RecvParams(msgspec.Struct):
 
     do_remote_prefill: bool
     hkv_ticket: Annotated[str, msgspec.Meta(max_length=MAX_TICKET_CHARS)]
+
+
+class StreamParams(msgspec.Struct):
+    """A concurrent push's fields of a decode request's ``kv_transfer_params`` (others are ignored)."""
+
+    do_remote_prefill: bool
+    hkv_stream: CapText
+    remote_engine_id: Name
+    remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+
+
+class _PrefillStream(msgspec.Struct):
+    hkv_stream: CapText
+
+
+@dataclass(frozen=True)
+class StreamGrant:
+    """What a decode acts on for a concurrent push: the capability and the prefill engine to register with."""
+
+    cap: bytes
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+def stream_cap(params: Any) -> bytes | None:
+    """A prefill request's concurrent-push capability (``None``: its params carry none).
+
+    Raises:
+        TicketError: the params carry a malformed one (the message says why).
+    """
+    if not isinstance(params, dict) or STREAM_FIELD not in params:
+        return None
+    try:
+        return bytes.fromhex(msgspec.convert(params, _PrefillStream, strict=True).hkv_stream)
+    except msgspec.ValidationError as exc:
+        raise TicketError(f"kv_transfer_params {STREAM_FIELD!r} malformed: {exc}") from None
 
 
 def parse_networks(spec: str | Sequence[str] | None) -> tuple[IpNetwork, ...] | None:
@@ -75,17 +139,23 @@ class TransferParams:
     mode: str
     num_groups: int
     networks: tuple[IpNetwork, ...] | None = None
+    stream_ttl_s: float = 600.0
+    """How long a used capability is remembered (the decode's wait plus the prefill's lease, at least)."""
 
     def __post_init__(self) -> None:
         self.spent = SpentTickets()
 
-    def check(self, params: Any, max_blocks: Sequence[int], now: float) -> Ticket | str:
-        """The verified ticket in ``params``, or why it is refused (one line). Never raises.
+    def check(self, params: Any, max_blocks: Sequence[int], now: float) -> Ticket | StreamGrant | str:
+        """The verified ticket in ``params`` (or, without one, the concurrent push's checked capability and
+        prefill address), or why they are refused (one line). Never raises.
 
         ``max_blocks``: per transfer group, the most blocks this request can hold (a ticket naming more
-        is refused before anything is sized by it). ``now``: wall-clock time. A returned ticket is spent.
+        is refused before anything is sized by it). ``now``: wall-clock time. A returned ticket or capability is
+        spent.
         """
         try:
+            if isinstance(params, dict) and TICKET_FIELD not in params and STREAM_FIELD in params:
+                return self._check_stream(params, now)
             ticket = self._check(params, max_blocks, now)
         except TicketError as exc:
             return str(exc)
@@ -118,3 +188,17 @@ class TransferParams:
             raise TicketError(f"{where} names host {ticket.host!r}, outside the allowed peer networks")
         self.spent.spend(ticket, now)
         return ticket
+
+    def _check_stream(self, params: dict[str, Any], now: float) -> StreamGrant:
+        if self.mode != "push":
+            raise TicketError(f"{STREAM_FIELD!r} (a concurrent push) needs push mode; this engine runs {self.mode}")
+        try:
+            fields = msgspec.convert(params, StreamParams, strict=True)
+        except msgspec.ValidationError as exc:
+            raise TicketError(f"kv_transfer_params of a concurrent push malformed: {exc}") from None
+        where = f"concurrent push from {fields.remote_engine_id!r}"
+        if not host_allowed(fields.remote_host, self.networks):
+            raise TicketError(f"{where} names host {fields.remote_host!r}, outside the allowed peer networks")
+        cap = bytes.fromhex(fields.hkv_stream)
+        self.spent.spend_key(b"c" + cap, now + self.stream_ttl_s, now, f"{where}: its capability")
+        return StreamGrant(cap, fields.remote_engine_id, fields.remote_host, fields.remote_port, fields.tp_size)

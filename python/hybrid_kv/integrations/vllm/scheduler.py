@@ -10,6 +10,14 @@ Those fields are for routers only: the decode acts on nothing but ``hkv_ticket``
 (``tickets``), checked once by ``params.TransferParams``. No hook raises for any ``kv_transfer_params``: a
 request whose params are refused fails alone, through the worker's failed-load path (so vLLM's
 ``kv_load_failure_policy`` applies), with the reason logged in one line.
+
+Concurrent push (streaming): a router may send a request to the prefill and the decode engine at once, with
+one fresh random capability ``hkv_stream`` in both (``params``). The decode then registers its blocks with the
+prefill engine the router named, before the prefill's forward ends; the prefill scheduler tells its workers,
+in the step that runs a request's last prefill chunk, that the request may stream (``StreamSend``: its
+capability and blocks), and the workers post each layer's KV as the forward produces it. Such a request's
+blocks are held until its workers report what they posted as ended, whatever way it ends (``stream_ended``
+for an abort).
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from ...transport.auth import resolve_secret
 from ...verify import VerifyPolicy
 from .config import ConnectorConfig
-from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease
-from .params import TransferParams, parse_networks
+from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
+from .params import StreamGrant, TransferParams, parse_networks, stream_cap
 from .stats import HybridKvStats
-from .tickets import GRANT_BYTES, TICKET_FIELD, TICKET_VERSION, Ticket, TicketKey
+from .tickets import GRANT_BYTES, TICKET_FIELD, TICKET_VERSION, Ticket, TicketError, TicketKey
 
 __all__ = ["SchedulerHalf"]
 
@@ -67,10 +75,24 @@ class SchedulerHalf:
         self.tickets = TicketKey(
             resolve_secret(None, insecure=cfg.insecure, required=True, what=f"engine {engine_id!r}")
         )
-        self.params = TransferParams(self.tickets, cfg.mode, len(groups), parse_networks(cfg.peer_networks))
+        self.params = TransferParams(
+            self.tickets,
+            cfg.mode,
+            len(groups),
+            parse_networks(cfg.peer_networks),
+            stream_ttl_s=cfg.push_registration_timeout_s + cfg.lease_s + cfg.lease_max_extension_s,
+        )
         self._aborted: set[str] = set()
         self._verify = VerifyPolicy.parse(cfg.verify)
         self._loads = 0  # requests loaded from a prefill engine so far (``verify=sampled:N`` counts them)
+        # prefill side, concurrent push: requests with a capability (request, capability), the capabilities live
+        # here, the requests whose last prefill step was handed to the workers to stream, and those that ended
+        # aborted after it (their blocks held until the workers report them)
+        self._caps: dict[str, tuple[Any, bytes]] = {}
+        self._live_caps: set[bytes] = set()
+        self._streamed: set[str] = set()
+        self._stream: dict[str, StreamSend] = {}
+        self._stream_ended: set[str] = set()
         self.stats = HybridKvStats()
         log.info(
             "hybrid-kv scheduler %s: mode %s, side channel %s:%d (TP %d), HMA %s",
@@ -117,6 +139,8 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         if not _wants_remote(params, "do_remote_decode") or params.get("_hkv_truncated"):
             return
+        if self.cfg.mode == "push":
+            self._note_cap(request, params)
         n = self.backoff()
         if n and request.num_prompt_tokens > n and request.prompt_token_ids is not None:
             del request.prompt_token_ids[-n:]
@@ -124,6 +148,25 @@ class SchedulerHalf:
             request.num_prompt_tokens -= n
             params["_hkv_truncated"] = True
         request.max_tokens = 1
+
+    def _note_cap(self, request: Any, params: dict[str, Any]) -> None:
+        """Remember a prefill request's concurrent-push capability (untrusted: a malformed or duplicate one is
+        ignored with a warning, and the request is pushed whole once it finished, as without one)."""
+        try:
+            cap = stream_cap(params)
+        except TicketError as exc:
+            log.warning("hybrid-kv: request %s: %s; it will not stream", request.request_id, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - never raise into vLLM's add_request
+            log.warning("hybrid-kv: request %s: capability unreadable: %s", request.request_id, type(exc).__name__)
+            return
+        if cap is None:
+            return
+        if cap in self._live_caps:
+            log.warning("hybrid-kv: request %s: its capability is in use by another request here", request.request_id)
+            return
+        self._live_caps.add(cap)
+        self._caps[request.request_id] = (request, cap)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         t0 = time.perf_counter()
@@ -161,6 +204,19 @@ class SchedulerHalf:
             self.stats.count("num_refused_tickets")
             log.warning("hybrid-kv: request %s refused: %s", request.request_id, ticket)
             return RecvReq.refusal(request.request_id, local, ticket)
+        if isinstance(ticket, StreamGrant):
+            return RecvReq(
+                request_id=request.request_id,
+                local_block_ids=local,
+                remote_engine_id=ticket.engine_id,
+                remote_request_id="",
+                remote_block_ids=[],
+                remote_host=ticket.host,
+                remote_port=ticket.port,
+                remote_tp_size=ticket.tp_size,
+                cap=ticket.cap,
+                verify=self._verify_next(),
+            )
         return RecvReq(
             request_id=request.request_id,
             local_block_ids=local,
@@ -185,16 +241,52 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> HybridKvMetadata:
         t0 = time.perf_counter()
-        meta = HybridKvMetadata(recv=self._recv, send=self._send, aborted=self._aborted)
-        self._recv, self._send, self._aborted = {}, {}, set()
+        if self._caps and self.cfg.stream:
+            try:
+                self._find_last_prefill_steps(scheduler_output)
+            except Exception as exc:  # noqa: BLE001 - never raise into vLLM's schedule(): those push whole
+                log.error("hybrid-kv: finding this step's streaming requests failed: %s", exc)
+        meta = HybridKvMetadata(
+            recv=self._recv,
+            send=self._send,
+            aborted=self._aborted,
+            stream=self._stream,
+            stream_ended=self._stream_ended,
+        )
+        self._recv, self._send, self._aborted, self._stream, self._stream_ended = {}, {}, set(), {}, set()
         self.stats.add_time("scheduler_s", time.perf_counter() - t0)
         return meta
+
+    def _find_last_prefill_steps(self, so: Any) -> None:
+        """The requests with a capability whose last prefill chunk this step computes, with their blocks (vLLM's
+        ``kv_connector_block_state``; without it, none streams). Called before vLLM advances the requests'
+        ``num_computed_tokens`` past this step."""
+        state = getattr(so, "kv_connector_block_state", None)
+        if state is None:
+            return
+        for rid, n in so.num_scheduled_tokens.items():
+            entry = self._caps.get(rid)
+            if entry is None or rid in self._streamed:
+                continue
+            request, cap = entry
+            if int(request.num_computed_tokens) + int(n) < int(request.num_prompt_tokens):
+                continue  # an earlier chunk: SSM state is final only after the last one
+            ids = state.get_block_ids(rid)
+            if ids is None:
+                continue
+            self._streamed.add(rid)
+            self._stream[rid] = StreamSend(cap, self.clip(ids))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         t0 = time.perf_counter()
         try:
+            entry = self._caps.pop(request.request_id, None)
+            cap = b"" if entry is None else entry[1]
+            self._live_caps.discard(cap)
+            streamed = request.request_id in self._streamed
+            self._streamed.discard(request.request_id)
             params = request.kv_transfer_params
             if _wants_remote(params, "do_remote_prefill"):
                 # aborted before its blocks were allocated: tell the prefill engine to free its blocks
@@ -206,15 +298,20 @@ class SchedulerHalf:
             if not _wants_remote(params, "do_remote_decode"):
                 return False, None
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                if streamed:  # its workers may have posted some of its KV: held until that ended
+                    self._stream_ended.add(request.request_id)
+                    return True, None
                 self._aborted.add(request.request_id)
                 return False, None
             ids = self.clip(block_ids)
-            delay = any(ids)
+            delay = any(ids) or streamed
             grant = os.urandom(GRANT_BYTES)
             # the workers' leases start when they receive this step's metadata, i.e. no earlier
             expires = time.time() + self.cfg.lease_s
             if delay:
-                self._send[request.request_id] = SendLease(ids, self.cfg.lease_s, grant, self.cfg.lease_max_extension_s)
+                self._send[request.request_id] = SendLease(
+                    ids, self.cfg.lease_s, grant, self.cfg.lease_max_extension_s, cap=cap
+                )
             ticket = Ticket(
                 version=TICKET_VERSION,
                 engine_id=self.engine_id,

@@ -28,6 +28,8 @@ COUNTERS = (
     "num_lease_renewals",
     "num_verified_transfers",
     "num_digest_mismatches",
+    "num_streamed_requests",
+    "num_stream_fallbacks",
 )
 # Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
 # parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
@@ -145,6 +147,14 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "num_digest_mismatches": (
                 "vllm:hybrid_kv_num_digest_mismatches",
                 "Decode requests failed because a transfer digest differed (corrupted or stale bytes).",
+            ),
+            "num_streamed_requests": (
+                "vllm:hybrid_kv_num_streamed_requests",
+                "Prefill requests whose KV was pushed layer by layer during their last prefill forward.",
+            ),
+            "num_stream_fallbacks": (
+                "vllm:hybrid_kv_num_stream_fallbacks",
+                "Prefill requests with a stream capability pushed whole (no decode registration or link in time).",
             ),
         }
         self._hist = {

@@ -176,13 +176,20 @@ class SpentTickets:
 
     def spend(self, ticket: Ticket, now: float) -> None:
         """Record ``ticket`` as used at wall-clock ``now``; raises ``TicketError`` if it was already used."""
+        self.spend_key(
+            b"t" + ticket.grant, ticket.max_expires_at, now, f"ticket of {ticket.engine_id!r}/{ticket.request_id!r}"
+        )
+
+    def spend_key(self, key: bytes, until: float, now: float, what: str) -> None:
+        """Record random ``key`` (a ticket's grant, a stream capability) as used until wall-clock ``until``;
+        raises ``TicketError`` naming ``what`` if it is already, or when too many live keys are remembered."""
         while self._until:  # expiries are nearly in insertion order: a few may linger briefly
-            grant, until = next(iter(self._until.items()))
-            if until > now:
+            grant, expiry = next(iter(self._until.items()))
+            if expiry > now:
                 break
             del self._until[grant]
-        if ticket.grant in self._until:
-            raise TicketError(f"ticket of {ticket.engine_id!r}/{ticket.request_id!r} was already used")
+        if key in self._until:
+            raise TicketError(f"{what} was already used")
         if len(self._until) >= self._limit:
             raise TicketError(f"too many live tickets: {self._limit} used and not yet expired")
-        self._until[ticket.grant] = ticket.max_expires_at
+        self._until[key] = until

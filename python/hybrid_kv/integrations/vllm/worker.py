@@ -24,6 +24,16 @@ holds the lease) and posts the READ once every answer came; once the READ is don
 a mismatch fails the request. In push, the registration asks for it: each writer digests its side before
 posting, the digest rides in its done-notices and its payload in its ``push_plan``, and the decode checks once
 the bytes landed. A failed check is a failed load (``kv_load_failure_policy``); nothing raises into vLLM.
+A verified concurrent push is not streamed (its digest must be of final bytes): it is pushed whole.
+
+Concurrent push (streaming): the decode's ``stream_reg`` names the prefill request by the router's capability
+and arrives while the prefill runs. In the step that computes the request's last prefill chunk (``begin_step``,
+before the forward) a prefill rank holding its registration and a connected link plans the whole request once,
+cut into the stream schedule's stages (``PeerPlan.plan_staged``), posts it as one staged request, sends
+``push_plan`` at once, and releases each stage as the forward's layer hooks prove it final
+(``hybrid_kv.streaming``); the decode sees it done when every stage landed, and any failure fails the whole
+request on both sides. A request whose registration or link is not there in time is pushed whole once it
+finished.
 """
 
 from __future__ import annotations
@@ -41,9 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from ..._core import RegionTable, compat_hash, handshake_target_ranks
+from ..._core import RegionTable, StreamSchedule, compat_hash, handshake_target_ranks
 from ...link_pool import LinkPool
 from ...peer_link import PeerLink, PreparedLink, attach_link, prepare_link, target_addresses
+from ...streaming import ForwardHooks, Stream, StreamPoster
 from ...transport import Endpoint, RequestHandle, Transfer, TransferError
 from ...verify import (
     Digester,
@@ -58,7 +69,7 @@ from . import control
 from .config import ConnectorConfig
 from .layout import RankGeometry, compat_factors, engine_facts, rank_table
 from .leases import EARLY_TTL_S, MAX_EARLY, LeaseBook, renewal_until
-from .metadata import BlockIds, HybridKvMetadata, RecvReq
+from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
 from .params import host_allowed, parse_networks
 from .stats import HybridKvStats
 
@@ -69,7 +80,21 @@ log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 LEASE_MARGIN_S = 1.0
 """Pull: a read must end this long before the prefill's ``lease_expires_at`` (wall clock, so it also absorbs
 clock skew between hosts up to this much); a read ending later may have read blocks the prefill engine had
-already freed and reused, and fails (vLLM then applies its ``kv_load_failure_policy``)."""
+already freed and reused, and fails (vLLM then applies its ``kv_load_failure_policy``). Concurrent push: the
+prefill's writes end (or fail) this long before the decode's ``StreamReg.until``."""
+
+MIN_PUSH_S = 1.0
+"""Concurrent push: a registration whose decode stops waiting sooner than this (plus the margin) is not written
+to any more (the decode is about to fail the request and may reuse its blocks)."""
+
+
+def _push_deadline(until: float | None, timeout_s: float) -> float | None:
+    """A push's deadline: ``timeout_s``, ending ``LEASE_MARGIN_S`` before the decode's ``until`` (wall clock) when
+    it has one; ``None`` when too little of that is left to write anything."""
+    if until is None:
+        return timeout_s
+    left = until - time.time() - LEASE_MARGIN_S
+    return min(timeout_s, left) if left >= MIN_PUSH_S else None
 
 
 @dataclass
@@ -126,7 +151,13 @@ class WorkerHalf:
         self.failed_recving: set[str] = set()
         self.invalid_blocks: set[int] = set()
         # prefill side: leased requests and what decode engines said about them (``leases``)
-        self.leases = LeaseBook(self.name)
+        self.leases = LeaseBook(self.name, stream_ttl_s=cfg.push_registration_timeout_s)
+        # prefill side, streaming: the schedule, this forward's hooks, the poster thread, streams by request id
+        self.schedule: StreamSchedule | None = None
+        self.hooks: ForwardHooks | None = None
+        self.poster: StreamPoster | None = None
+        self.streams: dict[str, Stream] = {}
+        self._cuda = False
         self._refused = control.Refusals(self.name)
         self._networks = parse_networks(cfg.peer_networks)
         self._renewing: set[str] = set()  # decode requests whose lease renewal is being sent
@@ -193,7 +224,29 @@ class WorkerHalf:
             self.geometry.kernel_block_size,
             self.server.address,
         )
+        if self.cfg.mode == "push" and self.cfg.stream:
+            self._init_streaming()
         log.debug("hybrid-kv worker %s: registered in %.1f ms", self.name, (time.perf_counter() - t0) * 1e3)
+
+    def _init_streaming(self) -> None:
+        """The stream schedule of this rank's table (which layer hook makes which layers' KV final) and the
+        poster thread; without them (logged) every request is pushed whole."""
+        assert self.table is not None and self.server is not None and self.geometry is not None
+        try:
+            self.schedule = StreamSchedule(self.table)
+        except Exception as exc:  # noqa: BLE001 - streaming is an optimisation: push whole instead
+            log.warning("hybrid-kv %s: no stream schedule (%s): requests are pushed whole", self.name, exc)
+            return
+        self.hooks = ForwardHooks(self.schedule, self.name)
+        self.poster = StreamPoster(self.server, self.name)
+        self._cuda = self.geometry.mem_type == "VRAM"
+        log.info(
+            "hybrid-kv worker %s: streaming push in %d stages at %d layer hooks (last: %s)",
+            self.name,
+            self.schedule.num_stages,
+            len(self.schedule.hooks),
+            self.schedule.stage_hooks[-1] or "end of the forward",
+        )
 
     # ------------------------------------------------------------------ handshake
 
@@ -343,7 +396,15 @@ class WorkerHalf:
         """
         t0 = time.perf_counter()
         for rid, send in meta.send.items():
-            self.leases.add(rid, send)
+            if rid in self.streams:
+                self._stream_leased(rid, send)
+            else:
+                self.leases.add(rid, send)
+        for rid in meta.stream_ended:
+            if rid in self.streams:
+                self._stream_leased(rid, None)
+            else:
+                self._sent(rid)  # it never streamed here: nothing was posted for it
         for rid in meta.aborted:
             self.leases.drop(rid)
         self._poll_handshakes()
@@ -599,17 +660,34 @@ class WorkerHalf:
         """Decode side of push: register our blocks with the prefill ranks we pair with, then await them."""
         assert self.server is not None
         targets = list(handshake_target_ranks(self.tp_rank, self.tp_size, req.remote_tp_size))
-        reg = control.PushReg(
-            p_req=req.remote_request_id,
-            grant=req.grant,
-            d_req=req.request_id,
-            ids=req.local_block_ids if any(req.local_block_ids) else [],
-            engine=self.engine_id,
-            host=self.cfg.advertise_host,
-            port=self.port - self.tp_rank,
-            tp=self.tp_size,
-            verify=req.verify,
-        )
+        ids = req.local_block_ids if any(req.local_block_ids) else []
+        host, port = self.cfg.advertise_host, self.port - self.tp_rank
+        reg: control.PushReg | control.StreamReg
+        wait_s = self.cfg.push_registration_timeout_s
+        if req.cap:  # a concurrent push: the prefill request is named by the router's capability
+            reg = control.StreamReg(
+                cap=req.cap,
+                d_req=req.request_id,
+                ids=ids,
+                engine=self.engine_id,
+                host=host,
+                port=port,
+                tp=self.tp_size,
+                until=time.time() + wait_s,  # the prefill writes nothing after it (push_wait's deadline below)
+                verify=req.verify,
+            )
+        else:
+            reg = control.PushReg(
+                p_req=req.remote_request_id,
+                grant=req.grant,
+                d_req=req.request_id,
+                ids=ids,
+                engine=self.engine_id,
+                host=host,
+                port=port,
+                tp=self.tp_size,
+                verify=req.verify,
+            )
         msg = control.encode(reg)
         if not reg.ids:
             self._send_controls(
@@ -627,7 +705,7 @@ class WorkerHalf:
             "answered": set(),  # ranks
             "writers": set(),  # names (NIXL agents) that write
             "ids": req.local_block_ids,
-            "deadline": time.monotonic() + self.cfg.push_registration_timeout_s,
+            "deadline": time.monotonic() + wait_s,
             "verify": req.verify,
             "remote_ids": req.remote_block_ids,
             "payloads": {},  # verified: writer name -> (its payload, its coalesce setting)
@@ -678,6 +756,11 @@ class WorkerHalf:
                     continue
                 if not host_allowed(reg.host, self._networks):
                     raise TransferError(f"decode host {reg.host!r} is outside the allowed peer networks")
+                deadline = _push_deadline(lease.push_until, self.cfg.transfer_timeout_s)
+                if deadline is None:  # the decode stopped waiting (or is about to): its blocks are not ours
+                    log.warning("hybrid-kv %s: %s's decode %s stopped waiting; not pushed", self.name, p_req, d_req)
+                    self._sent(p_req)
+                    continue
                 link = self._link(reg.engine, reg.host, reg.port, reg.tp, p_req)
                 if link is None:
                     continue  # handshake in the background; pushed on a later step
@@ -691,8 +774,7 @@ class WorkerHalf:
                     mine = initiator_digests(self.digester, link.plan, transfers, link.rank_of, algo)
                     digests = {peer: d.digest for peer, d in mine.items()}
                 if transfers:
-                    timeout = self.cfg.transfer_timeout_s
-                    self._post(d_req, "send", link, transfers, "WRITE", timeout, local_ids, digests=digests)
+                    self._post(d_req, "send", link, transfers, "WRITE", deadline, local_ids, digests=digests)
                     self.inflight[d_req].request_id = p_req
                 else:
                     self._sent(p_req)
@@ -708,6 +790,140 @@ class WorkerHalf:
                 )
             except Exception as exc:  # noqa: BLE001 - a failed push frees the blocks and is counted
                 self._job_failed(p_req, f"to {d_req}: {exc}")
+
+    # ------------------------------------------------------------------ streaming push (prefill side)
+
+    def begin_step(self, meta: HybridKvMetadata) -> None:
+        """Before this step's forward (``bind_connector_metadata``): start streaming the requests whose last
+        prefill chunk it computes and whose decode registered in time. Never raises, never waits on a peer."""
+        if self.hooks is not None and self.hooks.active:
+            self.end_forward()  # the previous forward's wait_for_save never came: release what it left
+        if not meta.stream or self.hooks is None or self.server is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._progress()  # registrations that arrived since the last step
+            started = []
+            for rid, send in meta.stream.items():
+                stream = self._start_stream(rid, send)
+                if stream is not None and stream.handle is not None:
+                    started.append(stream)
+            self.hooks.begin(started)
+        except Exception as exc:  # noqa: BLE001 - never raise into vLLM's step: those requests push whole
+            log.error("hybrid-kv %s: starting this step's streams failed: %s", self.name, exc)
+        self.stats.add_time("worker_s", time.perf_counter() - t0)
+
+    def _start_stream(self, rid: str, send: StreamSend) -> Stream | None:
+        """Plan and post ``rid`` staged if its registration and link are ready; else ``None`` (it is pushed
+        whole once it finished, from the same registration)."""
+        assert self.schedule is not None and self.server is not None
+        reg = self.leases.stream_reg(send.cap)
+        deadline = None if reg is None else _push_deadline(reg.until, self.cfg.transfer_timeout_s)
+        if reg is None or deadline is None or not any(reg.ids) or not host_allowed(reg.host, self._networks):
+            self.stats.count("num_stream_fallbacks")
+            return None  # no live registration (or nothing to write, or a refused host: the lease path says why)
+        if reg.verify:  # a digest is of final bytes: a verified request is pushed whole, digests in its notices
+            return None
+        link = self.links.get(reg.engine)
+        if link is None:
+            self._prelink(reg)
+            self.stats.count("num_stream_fallbacks")
+            return None
+        self.leases.take_stream(send.cap)
+        stream = Stream(rid, reg.d_req, send.cap, send.block_ids, None)
+        self.streams[rid] = stream
+        try:
+            stages = link.staged_transfers(send.block_ids, reg.ids, self.schedule)
+            transfers = [t for stage in stages for t in stage]
+            writers = {link.rank_of(t.peer) for t in transfers}
+            if transfers:
+                order = [k for k, stage in enumerate(stages) for _ in stage]
+                t0 = time.perf_counter()
+                stream.handle = link.ep.post(reg.d_req, transfers, "WRITE", deadline, stages=order)
+                self.stats.add_time("worker_post_s", time.perf_counter() - t0)
+                nids = sum(int(t.local_ids.size) for t in transfers)
+                now = time.perf_counter()
+                self.inflight[reg.d_req] = _Inflight(
+                    rid, "stream", link, transfers, now, stream.handle, nids, send.block_ids
+                )
+                self.stats.count("num_streamed_requests")
+            else:
+                stream.ended = True
+            plans = [
+                (link.addresses[r], control.encode(control.PushPlan(d_req=reg.d_req, writes=r in writers)), r)
+                for r in link.targets
+            ]
+            self._send_controls(link.ep, [(a, m, worker_name(link.engine_id, r)) for a, m, r in plans])
+        except Exception as exc:  # noqa: BLE001 - this request fails alone (its decode times out waiting)
+            log.error("hybrid-kv %s: streaming %s to %s failed: %s", self.name, rid, reg.d_req, exc)
+            self.stats.count("num_failed_transfers")
+            stream.failed, stream.ended = str(exc), True
+            return None
+        return stream
+
+    def _prelink(self, reg: control.StreamReg) -> None:
+        """Start the handshake with a registering decode engine now, so its link is there by the request's last
+        prefill step (no request waits on it: one that finds no link is pushed whole)."""
+        if reg.engine in self.links or reg.engine in self._handshakes or not host_allowed(reg.host, self._networks):
+            return
+        log.info(
+            "hybrid-kv %s: handshake with %s (%s:%d, TP %d) started", self.name, reg.engine, reg.host, reg.port, reg.tp
+        )
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        self._handshakes.submit(reg.engine, self._handshake, reg.engine, reg.host, reg.port, reg.tp, deadline)
+
+    def save_layer(self, layer: str) -> None:
+        """vLLM's ``save_kv_layer``: release the stages this layer's hook proves final (on CUDA once its kernels
+        ran, waited for on the poster thread). The forward never waits here."""
+        hooks = self.hooks
+        if hooks is None or not hooks.active:
+            return
+        try:
+            n = hooks.on_hook(layer)
+            if n is not None and self.poster is not None:
+                self.poster.submit(self._event(), [(s, n) for s in hooks.active])
+        except Exception as exc:  # noqa: BLE001 - never raise into the forward: the rest goes at its end
+            log.error("hybrid-kv %s: streaming at layer %s failed: %s", self.name, layer, exc)
+
+    def end_forward(self) -> None:
+        """vLLM's ``wait_for_save``: release every remaining stage of this forward's streams (returns at once)."""
+        hooks = self.hooks
+        if hooks is None or not hooks.active:
+            return
+        try:
+            streams = hooks.end()
+            if self.poster is not None:
+                self.poster.submit(self._event(), [(s, hooks.num_stages) for s in streams])
+        except Exception as exc:  # noqa: BLE001 - never raise into vLLM's step: the deadline fails them
+            log.error("hybrid-kv %s: releasing the rest of this forward's streams failed: %s", self.name, exc)
+
+    def _event(self) -> Any:
+        """A CUDA event recorded on the current stream (the layer's kernels), or ``None`` on CPU."""
+        if not self._cuda:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
+        ev.record()
+        return ev
+
+    def _stream_leased(self, rid: str, send: SendLease | None) -> None:
+        """The scheduler finished (``send``) or aborted (``None``) streamed request ``rid``: its blocks wait for
+        the stream. Blocks that changed since its last step (never expected) fail it."""
+        stream = self.streams[rid]
+        stream.leased = True
+        if send is not None and send.block_ids != stream.block_ids and stream.handle is not None and not stream.ended:
+            log.error("hybrid-kv %s: %s finished with other blocks than it streamed from; failing it", self.name, rid)
+            stream.failed = "blocks changed after streaming"
+            if self.server is not None:
+                self.server.cancel(stream.key, stream.failed)  # reported by the next poll: the stream then ends
+        if stream.ended:
+            self._end_stream(rid)
+
+    def _end_stream(self, rid: str) -> None:
+        stream = self.streams.pop(rid)
+        self.leases.end_stream(stream.cap)
+        self._sent(rid)
 
     # ------------------------------------------------------------------ completion
 
@@ -762,6 +978,8 @@ class WorkerHalf:
         reason = self.leases.on_message(sender, msg)
         if reason is not None:
             self._refused(sender, reason)
+        elif isinstance(msg, control.StreamReg) and self.cfg.mode == "push" and any(msg.ids):
+            self._prelink(msg)
 
     def _progress(self) -> None:
         self._poll_handshakes()
@@ -801,6 +1019,16 @@ class WorkerHalf:
         if err is None and job.handle is not None:  # NIXL's telemetry of the request's transfers
             tel = job.handle.stats
             self.stats.record_transfer(tel.bytes, tel.descriptors, job.ids, tel.post_s, tel.transfer_s)
+        if job.role == "stream":
+            stream = self.streams.get(job.request_id)
+            if err is not None:
+                log.error("hybrid-kv %s: streaming %s failed: %s", self.name, job.request_id, err)
+                self.stats.count("num_failed_transfers")
+            if stream is not None:
+                stream.ended = True
+                if stream.leased:
+                    self._end_stream(job.request_id)
+            return
         if job.role == "recv":
             if err is None:
                 self.finished_recving.add(job.request_id)
@@ -834,6 +1062,8 @@ class WorkerHalf:
     def shutdown(self) -> None:
         """Close the endpoint (every link's handles with it); a handshake still running is awaited (it has
         deadlines; a prepared link holds no NIXL handle)."""
+        if self.poster is not None:
+            self.poster.close()
         self._handshakes.shutdown()
         self._control_pool.shutdown(wait=True, cancel_futures=True)  # the one being sent has a deadline
         self.links.clear()
