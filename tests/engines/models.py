@@ -88,6 +88,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+ENGINE_ENV: dict[str, dict[str, str]] = {"qwen3_next": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}}
+"""Environment an engine serving the model needs. SSM conv states in the DS layout, which hybrid-kv (and vLLM's
+NixlConnector) transfer: vLLM's CPU platform picks SD on CPUs with AVX512-BF16 unless the connector is named
+NixlConnector, and it decides in the API server before any connector module is imported, so operators set it
+(the connector refuses an SD engine at start-up with an error naming this variable)."""
+
+
 def write_model(name: str, root: Path, dtype: str = "bfloat16") -> Path:
     """Write model ``name`` of ``CONFIGS`` (config + seeded random weights) under ``root/name``; returns it."""
     import torch

@@ -229,9 +229,10 @@ def pair_fixture_body(
     model_name: str, connector: str, models_root: Path, logs_root: Path, running: list[Any], **kw: Any
 ) -> Iterator[PdPair]:
     """Start a pair (module-scoped fixtures yield from this), always stopping every engine it started."""
-    from models import write_model
+    from models import ENGINE_ENV, write_model
 
     model = write_model(model_name, models_root)
+    kw["env"] = {**ENGINE_ENV.get(model_name, {}), **(kw.get("env") or {})}
     before = list(running)
     p = None
     try:

@@ -30,11 +30,6 @@ MAX_TOKENS = 12
 LOGPROB_TOL = 1e-4
 LOAD_REQUESTS = 6
 ENGINE_ARGS = ["--no-enable-prefix-caching"]
-ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
-"""SSM conv states in the DS layout, which hybrid-kv (and vLLM's NixlConnector) transfer. vLLM's CPU platform
-picks SD on CPUs with AVX512-BF16 unless the connector is named NixlConnector, and it decides in the API server
-before any connector module is imported, so operators set it (the connector refuses an SD engine at start-up with
-an error naming this variable)."""
 PREFILL_ARGS = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
 
 
@@ -48,7 +43,6 @@ def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> 
         RUNNING,
         extra_args=ENGINE_ARGS,
         prefill_args=PREFILL_ARGS,
-        env=ENGINE_ENV,
     )
 
 

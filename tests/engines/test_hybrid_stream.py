@@ -30,14 +30,8 @@ from engine import EngineError
 from faulty_connector import FAIL_MARK
 from pd import PdPair, max_delta, pair_fixture_body, prompt
 from proxy import route_concurrent
+from test_hybrid import CHUNK, ENGINE_ARGS, LENGTHS, LOGPROB_TOL, MAX_TOKENS, MODEL, PREFILL_ARGS
 
-MODEL = "qwen3_next"
-CHUNK = 128
-LENGTHS = [CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK + 1]
-MAX_TOKENS = 12
-LOGPROB_TOL = 1e-4
-ENGINE_ARGS = ["--no-enable-prefix-caching"]
-PREFILL_ARGS = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
 HEAD_START_S = 0.5  # the decode request leaves first: on a loaded 2-core machine its registration needs the time
 TTFT_REQUESTS = 4
 STREAMED = "vllm:hybrid_kv_num_streamed_requests"

@@ -1,7 +1,8 @@
 """Drive hybrid-kv's vLLM connector with vLLM's own objects: a real ``Scheduler`` per engine (in the test
-process) and one spawned process per TP worker (vLLM's ``init_distributed_environment`` over gloo, the
-connector built by vLLM's ``KVConnectorFactory`` role WORKER, KV caches allocated by vLLM's
-``allocate_kv_cache`` from the ``KVCacheConfig`` vLLM's planner made).
+process) and one process per TP worker (vLLM's ``init_distributed_environment`` over gloo, the connector built
+by vLLM's ``KVConnectorFactory`` role WORKER, KV caches allocated by vLLM's ``allocate_kv_cache`` from the
+``KVCacheConfig`` vLLM's planner made). CPU workers fork from a server that imported vLLM once (``PRELOAD``);
+CUDA workers are spawned.
 
 Each engine step: ``Scheduler.schedule()`` -> every worker binds the connector metadata, ``start_load_kv``,
 ``wait_for_save``, ``get_transfer_results`` -> results aggregated like vLLM's ``KVOutputAggregator`` (a
@@ -612,11 +613,37 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
 
 
+PRELOAD = (
+    "torch",
+    "vllm.config",
+    "vllm.distributed",
+    "vllm.distributed.kv_transfer.kv_connector.factory",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.kv_cache_layout",
+    "vllm.v1.worker.utils",
+    "hybrid_kv.integrations.vllm.connector",
+    "vllm_harness",
+)
+"""What the CPU workers' fork server imports once, so each worker starts without importing vLLM again (about 10 s
+of CPU a process, most of these tests' time)."""
+
+
+def _context(device: str) -> Any:
+    """Worker processes for CPU engines fork from a server that preloaded vLLM (``PRELOAD``; it starts no thread
+    and no CUDA); CUDA workers are spawned (a process that forks must not have touched CUDA, and spawn guarantees
+    it)."""
+    if device != "cpu":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first worker)
+    return ctx
+
+
 class Workers:
     """An engine's worker processes."""
 
     def __init__(self, spec: EngineSpec, timeout_s: float = 240.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context(spec.device)
         self.spec = spec
         self.timeout_s = timeout_s
         dist_port = _free_port()

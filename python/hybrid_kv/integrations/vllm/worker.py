@@ -516,17 +516,28 @@ class WorkerHalf:
         msg = control.encode(ask)
         self._send_controls(link.ep, [(link.addresses[r], msg, name) for name, r in names.items()])
 
+    def _awaited(
+        self, waits: dict[str, dict[str, Any]], rid: str, sender: str, seen: str, what: str
+    ) -> tuple[dict[str, Any], int] | None:
+        """``(wait, rank)`` when ``sender`` is a prefill rank that request ``rid``'s wait in ``waits`` expects and that
+        has not answered yet (``wait[seen]``); else the message is refused (logged) and ``None``."""
+        wait = waits.get(rid)
+        if wait is None:
+            self._refused(sender, f"{what} for {rid!r}, which awaits none")
+            return None
+        rank = wait["names"].get(sender)
+        if rank is None or rank in wait[seen]:
+            self._refused(sender, f"{what} for {rid!r} from a sender that is not a prefill rank it awaits")
+            return None
+        return wait, int(rank)
+
     def _on_verify_answer(self, sender: str, msg: control.VerifyAnswer) -> None:
         """A prefill rank's digest for one of our pull requests: only the ranks asked answer, once each; the READ
         is posted when all did."""
-        wait = self.verify_wait.get(msg.d_req)
-        if wait is None:
-            self._refused(sender, f"digest for {msg.d_req!r}, which awaits none")
+        found = self._awaited(self.verify_wait, msg.d_req, sender, "answers", "digest")
+        if found is None:
             return
-        rank = wait["names"].get(sender)
-        if rank is None or rank in wait["answers"]:
-            self._refused(sender, f"digest for {msg.d_req!r} from a sender that is not a prefill rank it asked")
-            return
+        wait, rank = found
         wait["answers"][rank] = (int(msg.digest, 16) if msg.digest else None, msg.error)
         if len(wait["answers"]) < len(wait["names"]):
             return
@@ -722,14 +733,10 @@ class WorkerHalf:
         """A prefill rank's answer to our registration: only the ranks we registered with answer, once each,
         and the request completes only from the NIXL agents that said they write (``expect(writers=)``)."""
         rid = msg.d_req
-        wait = self.push_wait.get(rid)
-        if wait is None:
-            self._refused(sender, f"push plan for {rid!r}, which awaits none")
+        found = self._awaited(self.push_wait, rid, sender, "answered", "push plan")
+        if found is None:
             return
-        rank = wait["names"].get(sender)
-        if rank is None or rank in wait["answered"]:
-            self._refused(sender, f"push plan for {rid!r} from a sender that is not a prefill rank it awaits")
-            return
+        wait, rank = found
         wait["answered"].add(rank)
         if msg.writes:
             wait["writers"].add(sender)
