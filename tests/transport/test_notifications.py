@@ -117,6 +117,23 @@ def test_a_passive_request_completes_only_from_its_writers(trio: tuple[Endpoint,
     assert sorted(ev.done) == ["early", "push-1"]
 
 
+def test_a_fail_notice_that_overtakes_expect_fails_the_request_at_once(
+    trio: tuple[Endpoint, Endpoint, Endpoint],
+) -> None:
+    """A push sender's fail-notice can arrive before the side-channel message that makes the decode await the
+    request (seen in real engines: the decode then waited for its whole deadline). It is remembered: the later
+    ``expect`` fails at once, from the request's writer only, and a forged early notice fails nothing."""
+    p, d, x = trio
+    _send(p, notifications.fail_message("push-1", "posting returned ERR"))
+    _send(x, notifications.fail_message("push-2", "forged"))
+    _settle(d, [p, x])
+    h = d.expect("push-1", 30.0, writers=["P"])
+    other = d.expect("push-2", 30.0, writers=["P"])
+    ev = pump(d, lambda e: e.failed, 3.0, others=[p, x])
+    assert h.state is RequestState.FAILED and "posting returned ERR" in str(ev.failed[0])
+    assert [e.request_id for e in ev.failed] == ["push-1"] and other.state is RequestState.POSTED
+
+
 def test_a_passive_request_fails_only_from_its_writers(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
     """#20 item 6: a fail-notice from any agent failed another's request."""
     p, d, x = trio

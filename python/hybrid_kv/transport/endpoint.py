@@ -527,15 +527,22 @@ class Endpoint:
         else's done- or fail-notices for ``request_id`` are dropped).
         ``check``: called once all landed with the digest each sender's notices carried (``None``: none;
         ``inbox.INCONSISTENT``: notices that disagree); a reason it returns fails the request instead.
+        A fail-notice for ``request_id`` (from one of ``writers``, when given) that arrived before this call fails
+        it at once (reported by the next ``poll()``).
         """
         self._check_open()
         self._requests.ensure_new(request_id)
-        if writers is None:
+        names = None if writers is None else frozenset(writers)
+        if names is None:
             seen = self._inbox.take_landed(request_id)
-            return self._requests.expect(request_id, deadline_s, senders, seen, check)
-        names = frozenset(writers)
-        seen = self._inbox.expect_from(request_id, names, deadline_s)
-        return self._requests.expect(request_id, deadline_s, len(names), seen, check)
+            handle = self._requests.expect(request_id, deadline_s, senders, seen, check)
+        else:
+            seen = self._inbox.expect_from(request_id, names, deadline_s)
+            handle = self._requests.expect(request_id, deadline_s, len(names), seen, check)
+        early = self._inbox.take_failed(request_id, names)
+        if early is not None:  # its fail-notice overtook whatever made us await it
+            self._requests.passive_failed(request_id, *early)
+        return handle
 
     @_locked
     def poll(self) -> PollResult:

@@ -8,7 +8,9 @@ pull mode) can die mid-request unseen, so a partial set still incomplete ``PARTI
 first notice is given up and reported like a failure notice. Completed requests nobody awaits yet are
 remembered (up to ``LANDED_MEMORY``) for a later ``expect()``, with the digest their notices carried (a
 verified request's notices to one peer all carry the sender's digest of the rank pair; one set whose notices
-disagree is kept as ``INCONSISTENT``, which no digest equals).
+disagree is kept as ``INCONSISTENT``, which no digest equals), and so are failures nobody awaits yet (up to
+``LANDED_MEMORY`` too): a push sender's fail-notice can overtake the side-channel message that makes the
+receiver ``expect()`` the request, which then fails at once instead of waiting for its deadline.
 
 Notices are untrusted (any agent that loaded our metadata can send them): ``notifications.parse`` bounds
 each one, a sender holds at most ``MAX_PARTIAL_PER_SENDER`` partial sets and all senders together
@@ -34,7 +36,8 @@ __all__ = ["INCONSISTENT", "LANDED_MEMORY", "MAX_PARTIAL", "MAX_PARTIAL_PER_SEND
 
 log = logging.getLogger("hybrid_kv.transport.inbox")
 
-LANDED_MEMORY = 4096  # passive completions remembered for a later expect()
+LANDED_MEMORY = 4096  # passive completions (and failures) remembered for a later expect()
+MAX_EARLY_FAILED_SENDERS = 16  # senders whose early fail-notice for one request is remembered
 PARTIAL_TTL_S = 600.0  # a sender's partial done-notices for a request are given up this long after the first
 MAX_PARTIAL_PER_SENDER = 1024  # requests one sender may have partly landed at once
 MAX_PARTIAL = 16384  # the same, all senders together
@@ -58,6 +61,8 @@ class Inbox:
         self._per_sender: collections.Counter[str] = collections.Counter()
         # request id -> {sender: digest its notices carried (None: none)}
         self._landed: collections.OrderedDict[str, dict[str, int | None]] = collections.OrderedDict()
+        # request id -> {sender: reason} of fail-notices that came before anything awaited the request
+        self._failed_early: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
         self._writers: dict[str, tuple[float, frozenset[str]]] = {}  # request id -> (until, its only writers)
         self._dropped: collections.Counter[str] = collections.Counter()  # notices dropped, by reason
         self._next_expiry = 0.0
@@ -89,6 +94,12 @@ class Inbox:
         carried), forgotten here."""
         return self._landed.pop(request_id, {})
 
+    def take_failed(self, request_id: str, writers: frozenset[str] | None = None) -> tuple[str, str] | None:
+        """A ``(sender, reason)`` fail-notice for ``request_id`` that arrived before anything awaited it (from one
+        of ``writers`` when given), forgotten here with the request's others."""
+        early = self._failed_early.pop(request_id, {})
+        return next(((s, r) for s, r in early.items() if writers is None or s in writers), None)
+
     def expect_from(self, request_id: str, writers: frozenset[str], deadline_s: float) -> dict[str, int | None]:
         """Accept notices for ``request_id`` only from agents ``writers`` until its deadline (plus a second);
         returns those of them that already landed everything for it, with their digests."""
@@ -108,7 +119,13 @@ class Inbox:
 
     def _failed(self, sender: str, request_id: str, reason: str) -> None:
         self._requests.events.remote_failed.append(RemoteEvent(sender, request_id, reason))
-        self._requests.passive_failed(request_id, sender, reason)
+        if not self._requests.passive_failed(request_id, sender, reason):
+            early = self._failed_early.setdefault(request_id, {})
+            self._failed_early.move_to_end(request_id)
+            if len(early) < MAX_EARLY_FAILED_SENDERS:
+                early.setdefault(sender, reason)
+            while len(self._failed_early) > LANDED_MEMORY:
+                self._failed_early.popitem(last=False)
 
     def _expire(self, now: float) -> None:
         """Give up partial sets older than ``PARTIAL_TTL_S`` (checked every eighth of it)."""

@@ -158,11 +158,13 @@ class InFlight:
         self._complete_if_all_senders(req)
         return True
 
-    def passive_failed(self, request_id: str, sender: str, reason: str) -> None:
-        """``sender`` reported ``request_id`` failed: fail the passive request awaiting it, if any."""
+    def passive_failed(self, request_id: str, sender: str, reason: str) -> bool:
+        """``sender`` reported ``request_id`` failed: fail the passive request awaiting it; whether one did."""
         req = self._by_id.get(request_id)
         if req is not None and req.op is None and not req.finished:
             self.fail(req, f"peer {sender!r} failed: {reason}", notify=False)
+            return True
+        return False
 
     # ------------------------------------------------------------------ failure
 
