@@ -297,18 +297,20 @@ class VerifiedCount:
         self.hybrid_kv = pair.connector.startswith("hybrid-kv")
         self.before = pair.decode.metric(VERIFIED) if self.hybrid_kv else 0.0
 
-    def expect(self, n: int, wait_s: float = 30.0) -> None:
-        """Assert ``n`` more transfers were verified and none mismatched (hybrid-kv pairs; metrics reach the
-        API server with the engine's stats, so they are polled for up to ``wait_s``)."""
+    def expect(self, requests: int, wait_s: float = 30.0) -> None:
+        """Assert ``requests`` more requests were verified by every decode worker (each counts its own) and none
+        mismatched (hybrid-kv pairs; metrics reach the API server with the engine's stats, so they are polled for
+        up to ``wait_s``)."""
         if not self.hybrid_kv:
             return
+        n = requests * self.pair.decode_tp
         deadline = time.monotonic() + wait_s
         while True:
             got = self.pair.decode.metric(VERIFIED) - self.before
             if got >= n or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
-        assert got == n, f"{got:g} of {n} transfers verified by the decode"
+        assert got == n, f"{got:g} of {n} transfers verified by the decode's workers"
         assert self.pair.decode.metric(MISMATCHES) == 0
 
 

@@ -34,7 +34,7 @@ from test_hybrid import CHUNK, ENGINE_ARGS, LENGTHS, LOGPROB_TOL, MAX_TOKENS, MO
 
 HEAD_START_S = 0.5  # the decode request leaves first: on a loaded 2-core machine its registration needs the time
 TTFT_REQUESTS = 4
-STREAMED = "vllm:hybrid_kv_num_streamed_requests"
+STREAMED = "vllm:hybrid_kv_num_streamed_requests_total"  # Prometheus counters end in _total
 
 
 @pytest.fixture(scope="module", params=["hybrid-kv-push-stream", "hybrid-kv-push-nostream"])
@@ -121,7 +121,7 @@ def test_a_failed_early_stage_fails_only_its_request(pair: PdPair) -> None:
     assert len(errors) == 1 and isinstance(errors[0], EngineError), errors  # the decode answered it with an error
     assert good.tokens == ref.fresh_tokens
     assert pair.prefill.metric(STREAMED) - before >= 1
-    failed = pair.prefill.metric("vllm:hybrid_kv_num_failed_transfers")
+    failed = pair.prefill.metric("vllm:hybrid_kv_num_failed_transfers_total")
     RESULTS.setdefault("stream_failure", []).append({"failed_transfers": failed, "error": str(errors[0])[:200]})
     assert failed >= 1
     # the engines keep serving
