@@ -86,6 +86,9 @@ def test_demo_without_torch_nixl_zmq_names_the_extras_before_starting_ranks(tmp_
     )
     proc = run_cli("demo", blocked=("zmq",), tmp=tmp_path)
     assert_one_line_error(proc, "needs zmq, which is not installed", "pip install 'hybrid-kv[nixl]'")
+    # msgspec too (the digest messages of verified transfers): a wheel installed alone has none of them
+    proc = run_cli("demo", blocked=("msgspec",), tmp=tmp_path)
+    assert_one_line_error(proc, "needs msgspec, which is not installed", "pip install 'hybrid-kv[nixl]'")
 
 
 def test_check_preset_needs_neither_nixl_nor_zmq_nor_torch(tmp_path: Path) -> None:

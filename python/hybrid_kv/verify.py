@@ -16,8 +16,9 @@ plan order). How moves are cut does not change a digest; their order does. Two a
   memory is (``wsum_digest``), so device memory is digested on its device. A flipped byte always changes it
   (``w`` is never 0 modulo the prime); used whenever a side's memory is not host memory.
 
-Both sides choose the algorithm from the two sides' memory types (``algorithm``). ``VerifyPolicy`` is the
-``verify`` setting: ``off``, ``all``, or ``sampled:N`` (every Nth request). ``DigestAsk`` / ``DigestAnswer``
+Both sides choose the algorithm from the two sides' memory types (``algorithm``). ``VerifyPolicy``
+(``verify_policy``, importable without the transport's extras) is the ``verify`` setting: ``off``, ``all``, or
+``sampled:N`` (every Nth request). ``DigestAsk`` / ``DigestAnswer``
 are the pull exchange the demo and the tests use (untrusted, typed and bounded); the vLLM connector has its
 own, bound to its tickets (``integrations/vllm/control.py``).
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
@@ -36,6 +36,7 @@ import numpy.typing as npt
 
 from ._core import MirrorPlan, PeerPlan, RegionTable, decode_meta
 from .transport.requests import PeerKey, Transfer
+from .verify_policy import MAX_SAMPLE_EVERY, VerifyPolicy
 
 __all__ = [
     "ALGORITHMS",
@@ -62,51 +63,9 @@ __all__ = [
 
 ALGORITHMS = ("xxh3", "wsum")
 WSUM_PRIME = (1 << 31) - 1
-MAX_SAMPLE_EVERY = 1 << 20
-"""The largest N of ``sampled:N``."""
 _CHUNK = 1 << 22  # wsum: bytes gathered per reduction (each product < 2**39, a chunk's sum < 2**63)
 
 U64 = npt.NDArray[np.uint64]
-
-
-@dataclass(frozen=True)
-class VerifyPolicy:
-    """The ``verify`` setting: ``every`` is 0 (off), 1 (all) or N (``sampled:N``: requests 0, N, 2N, ...)."""
-
-    every: int = 0
-
-    @classmethod
-    def parse(cls, text: str | VerifyPolicy) -> VerifyPolicy:
-        """``off``, ``all`` or ``sampled:N`` (1 <= N <= ``MAX_SAMPLE_EVERY``); raises ``ValueError`` naming the
-        value and the limit."""
-        if isinstance(text, VerifyPolicy):
-            return text
-        t = str(text).strip().lower()
-        if t == "off":
-            return cls(0)
-        if t == "all":
-            return cls(1)
-        head, sep, n = t.partition(":")
-        if head == "sampled" and sep and n.isascii() and n.isdigit() and len(n) <= 8:
-            every = int(n)
-            if 1 <= every <= MAX_SAMPLE_EVERY:
-                return cls(every)
-        raise ValueError(
-            f"verify must be 'off', 'all' or 'sampled:N' with 1 <= N <= {MAX_SAMPLE_EVERY} (every Nth request), "
-            f"got {text!r}"
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return self.every > 0
-
-    def selects(self, index: int) -> bool:
-        """Whether the request numbered ``index`` (0, 1, 2, ... in the order the deciding side sees them) is
-        verified."""
-        return self.every > 0 and index % self.every == 0
-
-    def __str__(self) -> str:
-        return "off" if self.every == 0 else "all" if self.every == 1 else f"sampled:{self.every}"
 
 
 def algorithm(*mem_types: str) -> str:

@@ -31,8 +31,9 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
-EXTRA_OF_MODULE = {"torch": "torch", "nixl": "nixl", "zmq": "nixl"}
-"""Optional modules and the extra of ``pyproject.toml`` that installs each (zmq comes with ``nixl``)."""
+EXTRA_OF_MODULE = {"torch": "torch", "nixl": "nixl", "zmq": "nixl", "msgspec": "nixl", "cryptography": "nixl"}
+"""Optional modules and the extra of ``pyproject.toml`` that installs each (zmq, msgspec and cryptography come
+with ``nixl``)."""
 
 
 def install_hint(modules: Sequence[str]) -> str:

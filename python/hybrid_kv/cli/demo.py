@@ -104,6 +104,7 @@ def _side_line(name: str, side: dict[str, Any], tensors: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print its summary."""
+    require("torch", "nixl", "zmq", "msgspec")  # the ranks need them all: one message naming every one missing
     from ..demo import DemoConfig, run_demo
     from ..presets import get_preset
 
@@ -128,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
     )
     cfg.validate()  # bad arguments fail here, before any process starts
-    require("torch", "nixl", "zmq")  # ranks need all three: check before starting any
     preset = get_preset(cfg.preset)
     err = make_console(stderr=True)
     with Progress(
@@ -243,7 +243,7 @@ def cfg_peer(key: str) -> str:
 
 
 def _verify_arg(text: str) -> str:
-    from ..verify import VerifyPolicy
+    from ..verify_policy import VerifyPolicy
 
     try:
         return str(VerifyPolicy.parse(text))

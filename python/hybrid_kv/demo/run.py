@@ -61,7 +61,7 @@ class DemoConfig:
 
     def validate(self) -> tuple[Side, Side]:
         """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
-        from ..verify import VerifyPolicy
+        from ..verify_policy import VerifyPolicy
 
         preset = get_preset(self.preset)
         try:

@@ -194,7 +194,7 @@ class ConnectorConfig:
                         ipaddress.ip_network(item.strip(), strict=False)
                 except ValueError:
                     raise ConfigError(f"hybrid-kv setting 'peer_networks': {item.strip()!r} is not a CIDR") from None
-        from ...verify import VerifyPolicy
+        from ...verify_policy import VerifyPolicy
 
         try:
             values["verify"] = str(VerifyPolicy.parse(values["verify"]))

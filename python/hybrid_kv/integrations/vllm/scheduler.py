@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_block
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
 from ...transport.auth import resolve_secret
-from ...verify import VerifyPolicy
+from ...verify_policy import VerifyPolicy
 from .config import ConnectorConfig
 from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
 from .params import StreamGrant, TransferParams, parse_networks, stream_cap
