@@ -28,24 +28,38 @@ from typing import Any
 import pytest
 from conftest import RESULTS, RUNNING
 from engine import DEVICE, logprobs, tokens
-from pd import PdPair, compare_tokens, max_delta, pair_fixture_body, prompt
+from pd import PdPair, compare_tokens, delivered_under_load, max_delta, pair_fixture_body, prompt
+from proxy import route
 
 MODEL = "mla"
 BLOCK = 64  # a multiple of every MLA block size vLLM picks (16 on the CPU, 64 for FlashMLA)
 LENGTHS = [BLOCK + 1, 2 * BLOCK + 1, 4 * BLOCK + 1]
 MAX_TOKENS = 12
 LOGPROB_TOL = 1e-4  # the same kernels over the same latent bytes: bit-identical in practice
+LOAD_PROMPTS = [prompt(400 + i, BLOCK + 1 + 23 * i) for i in range(6)]
+ENGINE_ARGS = ["--max-num-seqs", "1"]
+"""One request per step in both engines. vLLM's CPU MLA kernels are not batch invariant: routed concurrently,
+0 of 6 decodes of either connector gave the tokens of the same prompt's unloaded decode, with no error. One
+sequence per step makes each request's bytes and tokens independent of what else is in flight, so concurrent
+requests under load have a right answer; the requests still arrive, handshake, queue and transfer
+concurrently."""
 
 
-def _run(connector: str, models_root: Path, logs_root: Path) -> dict[str, Any]:
+def _run(connector: str, models_root: Path, logs_root: Path, load_refs: list[list[int]] | None) -> dict[str, Any]:
     """Start ``connector``'s pair, route every prompt through it, record the single-engine references and the
-    CPU path check, stop it; returns the rows."""
+    CPU path check, route ``LOAD_PROMPTS`` under load, stop it; returns the rows. Without ``load_refs`` (the
+    NixlConnector pair, the reference) the pair's own unloaded decodes of ``LOAD_PROMPTS`` are the reference,
+    and are returned as ``load_refs``."""
     out: dict[str, Any] = {}
-    for pair in pair_fixture_body(MODEL, connector, models_root, logs_root, RUNNING):
+    for pair in pair_fixture_body(MODEL, connector, models_root, logs_root, RUNNING, extra_args=ENGINE_ARGS):
         out["rows"] = compare_tokens(pair, RESULTS, LENGTHS, MAX_TOKENS)
         out["hits"] = pair.decode.metric("vllm:external_prefix_cache_hits_total")
         if connector == "hybrid-kv-pull" and DEVICE == "cpu":
             out["paths"] = _paths(pair)
+        if load_refs is None:
+            load_refs = [route(pair.prefill, pair.decode, p, MAX_TOKENS).tokens for p in LOAD_PROMPTS]
+            out["load_refs"] = load_refs
+        out["load"] = delivered_under_load(pair, LOAD_PROMPTS, MAX_TOKENS, load_refs)
     return out
 
 
@@ -71,8 +85,9 @@ def _paths(pair: PdPair) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(models_root: Path, logs_root: Path) -> Iterator[dict[str, dict[str, Any]]]:
-    """hybrid-kv's pair, then NixlConnector's (one pair at a time on the machine)."""
-    yield {c: _run(c, models_root, logs_root) for c in ("hybrid-kv-pull", "nixl")}
+    """NixlConnector's pair (the reference), then hybrid-kv's (one pair at a time on the machine)."""
+    control = _run("nixl", models_root, logs_root, None)
+    yield {"nixl": control, "hybrid-kv-pull": _run("hybrid-kv-pull", models_root, logs_root, control["load_refs"])}
 
 
 def test_tokens_equal_nixl_connector(runs: dict[str, dict[str, Any]]) -> None:
@@ -83,6 +98,14 @@ def test_tokens_equal_nixl_connector(runs: dict[str, dict[str, Any]]) -> None:
     for (n, out, _), (_, ref, _) in zip(ours["rows"], control["rows"], strict=True):
         assert out.tokens == ref.tokens, f"prompt of {n}: hybrid-kv {out.tokens} != NixlConnector {ref.tokens}"
         assert max_delta(out.logprobs, ref.logprobs) <= LOGPROB_TOL
+
+
+def test_delivers_everything_under_load(runs: dict[str, dict[str, Any]]) -> None:
+    """Every request delivered while busy processes saturate every core, by both connectors, each with the
+    tokens of NixlConnector's decode of the same prompt on an unloaded machine."""
+    for connector in ("nixl", "hybrid-kv-pull"):
+        delivered, errors = runs[connector]["load"]
+        assert delivered == len(LOAD_PROMPTS), f"{connector}: {delivered} of {len(LOAD_PROMPTS)}: {errors}"
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="no prefix cache for MLA on vLLM's CPU platform (see the module doc)")
