@@ -30,7 +30,7 @@
 //! chunk rows. `PeerPlan::with_coalescing(.., false)` builds the reference tables and ids (one id per unit, no
 //! extra rows) for NIXL < 1.5 users, whose flat `(N, 3)` tables would otherwise grow `J + 1` times.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::descs::{DescTable, StridedRow};
 use super::error::LayoutError;
@@ -172,8 +172,22 @@ type ChunkInputs = (DescTable, Vec<u64>, Vec<u64>, Vec<bool>);
 /// An entry is [`with_chunk_rows`] of the inputs stored with it and is used only for equal inputs (61 rows to
 /// compare for DeepSeek-V3), so a hit returns exactly what a fresh build would. Not part of a table's identity:
 /// clones start empty, and any two caches compare equal.
+///
+/// It also keeps, per base table it built, that table with its whole-state rows joined (`state_rows.rs`): the
+/// table a hybrid model's plans actually hold, so that they share it too (the binding then copies its rows out
+/// once and the transport preps it once for every peer engine).
 #[derive(Debug, Default)]
-pub struct ChunkedBases(Mutex<Vec<(ChunkInputs, Arc<ChunkedBase>)>>);
+pub struct ChunkedBases {
+    chunked: Mutex<Vec<(ChunkInputs, Arc<ChunkedBase>)>>,
+    joined: Mutex<Vec<JoinedEntry>>,
+}
+
+/// A base table (weakly held, compared by pointer), the `(regions, streams)` its state rows were joined for,
+/// and what [`with_state_rows`] gave.
+type JoinedEntry = (Weak<DescTable>, (usize, usize), Option<JoinedBase>);
+
+/// A table with whole-state rows joined, and each SSM region's first state id.
+pub type JoinedBase = (Arc<DescTable>, Vec<u64>);
 
 impl ChunkedBases {
     /// [`with_chunk_rows`] of these inputs, built once per distinct inputs (at most [`MAX_CHUNKED_BASES`] kept).
@@ -184,7 +198,7 @@ impl ChunkedBases {
         region_count: &[u64],
         coalesce: &[bool],
     ) -> Arc<ChunkedBase> {
-        let lock = || self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let lock = || self.chunked.lock().unwrap_or_else(PoisonError::into_inner);
         let same = |(t, s, c, m): &ChunkInputs| {
             t == table && s[..] == *region_start && c[..] == *region_count && m[..] == *coalesce
         };
@@ -205,6 +219,32 @@ impl ChunkedBases {
             coalesce.to_vec(),
         );
         entries.push((inputs, Arc::clone(&built)));
+        built
+    }
+
+    /// [`with_state_rows`] of `base`, built once per base table this cache holds (any other table is joined
+    /// afresh and not kept).
+    pub fn with_state_rows(&self, base: &Arc<DescTable>, regions: usize, streams: usize) -> Option<JoinedBase> {
+        let mine = || {
+            let chunked = self.chunked.lock().unwrap_or_else(PoisonError::into_inner);
+            chunked.iter().any(|(_, b)| Arc::ptr_eq(&b.0, base))
+        };
+        let join = || with_state_rows(base, regions, streams).map(|(t, s)| (Arc::new(t), s));
+        if !mine() {
+            return join();
+        }
+        let lock = || self.joined.lock().unwrap_or_else(PoisonError::into_inner);
+        let same = |(w, k, _): &JoinedEntry| std::ptr::eq(w.as_ptr(), Arc::as_ptr(base)) && *k == (regions, streams);
+        if let Some((_, _, hit)) = lock().iter().find(|e| same(e)) {
+            return hit.clone();
+        }
+        let built = join();
+        let mut entries = lock();
+        entries.retain(|(w, _, _)| w.strong_count() > 0);
+        if entries.len() >= MAX_CHUNKED_BASES {
+            entries.remove(0);
+        }
+        entries.push((Arc::downgrade(base), (regions, streams), built.clone()));
         built
     }
 }
@@ -342,7 +382,7 @@ mod tests {
         for n in 0..3 * MAX_CHUNKED_BASES as u64 {
             cache.with_chunk_rows(&table(400 + n), &[0], &[400 + n], &[true]);
         }
-        assert_eq!(cache.0.lock().unwrap().len(), MAX_CHUNKED_BASES);
-        assert_eq!(cache.clone().0.lock().unwrap().len(), 0, "clones start empty");
+        assert_eq!(cache.chunked.lock().unwrap().len(), MAX_CHUNKED_BASES);
+        assert_eq!(cache.clone().chunked.lock().unwrap().len(), 0, "clones start empty");
     }
 }

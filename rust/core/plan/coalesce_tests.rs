@@ -190,6 +190,42 @@ fn peer_plans_of_one_rank_share_its_chunked_base_table() {
 }
 
 #[test]
+fn hybrid_plans_of_one_rank_share_their_base_table_with_state_rows() {
+    // MLA + SSM at equal TP: the base table gets chunk rows and whole-state rows; every plan of the rank holds
+    // that one table (its rows copied out and prepped once), equal to coalesced_local_table.
+    let tensors: &[&[&str]] = &[&["mla", "ssm"], &["mla", "ssm"]];
+    let s = scenario(
+        &["mla", "ssm"],
+        tensors,
+        (1, 200),
+        (1, 200),
+        "pull",
+        ("[[7], [9]]", "[[8], [10]]"),
+    );
+    let dep = Deployment::build(&s).unwrap();
+    let local = &dep.decode[0].table;
+    let remotes = vec![dep.prefill[0].meta.clone()];
+    let pull = crate::core::meta::TransferMode::Pull;
+    let a = PeerPlan::new(local, &remotes, pull).unwrap();
+    let b = PeerPlan::new(local, &remotes, pull).unwrap();
+    let base = &a.local_tables[0].1;
+    assert!(
+        std::sync::Arc::ptr_eq(base, &b.local_tables[0].1),
+        "built once per rank"
+    );
+    assert_eq!(**base, local.coalesced_local_table(1).unwrap());
+    assert!(
+        base.rows.len() > local.local_table(1).unwrap().rows.len() + 2,
+        "chunk and state rows"
+    );
+    let fresh = PeerPlan::new(&local.clone(), &remotes, pull).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(base, &fresh.local_tables[0].1));
+    assert!(tables(&a).eq(tables(&fresh)));
+    let ids = (vec![vec![7], vec![9]], vec![vec![8], vec![10]]);
+    assert_eq!(a.plan(&ids.0, &ids.1).unwrap(), fresh.plan(&ids.0, &ids.1).unwrap());
+}
+
+#[test]
 fn fragmented_requests_fall_back_to_single_ids() {
     let even: Vec<u64> = (0..64).map(|i| 2 * i).collect();
     let run: Vec<u64> = (300..364).collect();

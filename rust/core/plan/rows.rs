@@ -38,7 +38,7 @@ pub(super) fn append_rows(
         r_side,
     );
     let streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams());
-    let states = add_state_rows(local_tables, remote_tables, local.ssm_regions.len(), streams);
+    let states = add_state_rows(local, local_tables, remote_tables, local.ssm_regions.len(), streams);
     (chunks, states)
 }
 
@@ -137,16 +137,20 @@ fn add_chunk_rows(
 /// tables) and every remote table's pieces are contiguous too (equal TP), to the remote tables. Returns the
 /// flat id of each SSM region's first state on both sides when plans use them.
 fn add_state_rows(
+    local_rank: &RegionTable,
     local_tables: &mut [(TableKey, Arc<DescTable>)],
     remote_tables: &mut [(u32, DescTable)],
     regions: usize,
     streams: usize,
 ) -> Option<StateStarts> {
-    let (base, local_starts) = with_state_rows(&local_tables[0].1, regions, streams)?;
+    // The chunked base table is the rank's own, so its joined form is built once and shared too.
+    let (base, local_starts) = local_rank
+        .chunked_bases
+        .with_state_rows(&local_tables[0].1, regions, streams)?;
     if base.len() > ID_LIMIT {
         return None;
     }
-    local_tables[0].1 = Arc::new(base);
+    local_tables[0].1 = base;
     if local_tables.len() > 1 {
         return None; // SSM state moves through split tables, in shares
     }
