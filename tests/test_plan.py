@@ -110,6 +110,25 @@ def test_tables_are_uint64_nx3_and_nx5(peer: PeerPlan) -> None:
         peer.local_descs("nope")
 
 
+def test_plans_of_one_rank_return_its_shared_base_table_as_one_read_only_array() -> None:
+    """The coalesced base table (chunk and whole-state rows) depends on the local rank alone: every plan of the
+    rank returns the same read-only array (copied out once; the transport preps it once); a plan of another
+    table object returns equal rows in its own array, and tables only one plan holds are fresh and writable."""
+    local = build_region_table(f2_layout((T0, T1)))
+    remote = payload_of(build_region_table(f2_layout((0x90000, 0xA0000))))
+    a, b = (PeerPlan(local, [remote], "pull") for _ in range(2))
+    rows = a.local_rows("whole")
+    assert rows is b.local_rows("whole") and rows is a.local_rows("whole")
+    assert not rows.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        rows[0, 0] = 0
+    other = PeerPlan(build_region_table(f2_layout((T0, T1))), [remote], "pull").local_rows("whole")
+    assert other is not rows and np.array_equal(other, rows)
+    assert np.array_equal(rows, local.local_rows(coalesce=True))
+    fresh = PeerPlan(local, [remote], "pull", coalesce=False).local_rows("whole")
+    assert fresh.flags.writeable and fresh is not PeerPlan(local, [remote], "pull", coalesce=False).local_rows("whole")
+
+
 def test_coalesced_plans_move_the_reference_bytes_in_fewer_ids(peer: PeerPlan) -> None:
     coalesced = f2_peer(coalesce=True)
     assert coalesced.coalesced and not peer.coalesced

@@ -22,6 +22,8 @@ mod plan;
 #[cfg(feature = "python")]
 mod region;
 #[cfg(feature = "python")]
+mod shared_rows;
+#[cfg(feature = "python")]
 mod stream;
 
 #[cfg(feature = "python")]

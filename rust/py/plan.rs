@@ -58,6 +58,8 @@ const DETACH_FROM_IDS: usize = 1024;
 #[pyclass(frozen, name = "PeerPlan", module = "hybrid_kv")]
 pub struct PyPeerPlan {
     inner: Arc<PeerPlan>,
+    /// The rank's table, whose cache holds the arrays of the local tables its plans share.
+    local: Py<PyRegionTable>,
 }
 
 #[pymethods]
@@ -125,7 +127,10 @@ impl PyPeerPlan {
         let peer = no_panic(Kind::Plan, || {
             Ok(py.detach(move || PeerPlan::with_coalescing(&table, &metas, mode, coalesce))?)
         })?;
-        Ok(PyPeerPlan { inner: Arc::new(peer) })
+        Ok(PyPeerPlan {
+            inner: Arc::new(peer),
+            local: local.into(),
+        })
     }
 
     /// "pull" or "push".
@@ -188,15 +193,20 @@ impl PyPeerPlan {
 
     /// Local table `key` as strided `(rows, 5)` uint64 rows `(addr, len, device, stride, count)`.
     ///
+    /// A table this rank's plans share (the coalesced base table) is one read-only array, the same object
+    /// from every plan of the rank; any other table is a fresh array.
+    ///
     /// Raises:
     ///     PlanError: no such table.
     fn local_rows<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyArray2<u64>>> {
         let k = parse_key(key)?;
-        let t = self
+        let (_, t) = self
             .inner
-            .local_table(k)
+            .local_tables
+            .iter()
+            .find(|(tk, _)| *tk == k)
             .ok_or_else(|| Error::plan(format!("no local table {key:?}")))?;
-        u64_matrix(py, t.to_strided(), 5)
+        self.local.get().shared_rows.rows(py, t)
     }
 
     /// Remote rank `rank`'s table as an `(N, 3)` uint64 array.

@@ -9,6 +9,7 @@ use pyo3::types::{PyBytes, PyDict};
 use super::arrays::{flat_descs, u64_matrix};
 use super::digest::digest_moves;
 use super::errors::Error;
+use super::shared_rows::SharedRows;
 use crate::core::handshake as hs;
 use crate::core::{AgentMeta, DescTable, EngineInfo, RankLayout, RegionTable};
 
@@ -17,6 +18,8 @@ use crate::core::{AgentMeta, DescTable, EngineInfo, RankLayout, RegionTable};
 pub struct PyRegionTable {
     /// The immutable core table.
     pub inner: Arc<RegionTable>,
+    /// The arrays of the local tables this rank's plans share (`PeerPlan.local_rows`).
+    pub shared_rows: SharedRows,
 }
 
 impl PyRegionTable {
@@ -41,7 +44,10 @@ impl PyRegionTable {
         let layout: RankLayout =
             serde_json::from_str(layout_json).map_err(|e| Error::layout(format!("bad layout: {e}")))?;
         let table = py.detach(|| RegionTable::build(&layout)).map_err(Error::from)?;
-        Ok(PyRegionTable { inner: Arc::new(table) })
+        Ok(PyRegionTable {
+            inner: Arc::new(table),
+            shared_rows: SharedRows::default(),
+        })
     }
 
     /// The whole table (regions, SSM region order, groups, geometry, conv split) as JSON.
