@@ -371,3 +371,34 @@ def test_peers_post_from_their_own_scope_of_local_tables(
     d.disconnect("eng/0")
     d.remove_local_tables("eng")
     assert d.handle_counts() == base and d.local_scopes() == []
+
+
+def test_a_read_only_table_given_to_several_scopes_is_prepped_once(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
+) -> None:
+    """The same read-only array in two scopes (as ``PeerPlan.local_rows`` returns a rank's shared base table) is
+    checked and prepped once and released with the last scope; a writable array is prepped per scope."""
+    p, d, src, dst = pair
+    base = d.handle_counts()["local_dlists"]
+    shared = tables(dst.ctypes.data)["halves"]
+    shared.setflags(write=False)
+    d.add_local_tables("a", {"only": shared})
+    d.add_local_tables("b", {"only": shared, "mine": tables(dst.ctypes.data)["whole"]})
+    assert d.handle_counts()["local_dlists"] == base + 2
+    d.remove_local_tables("a")
+    assert d.handle_counts()["local_dlists"] == base + 2
+    d.connect("b/0", p.address, tables_from_payload, timeout_s=2.0, local_scope="b")
+    before = dst.copy()
+    d.post("r", [("b/0", "only", "halves", ids(BLOCKS + 2), ids(5))], "READ", 2.0)
+    assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
+    assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 2], [5]))
+    d.disconnect("b/0")
+    d.remove_local_tables("b")
+    assert d.handle_counts()["local_dlists"] == base
+    writable = tables(dst.ctypes.data)["whole"]
+    d.add_local_tables("c", {"w": writable})
+    d.add_local_tables("e", {"w": writable})
+    assert d.handle_counts()["local_dlists"] == base + 2
+    d.remove_local_tables("c")
+    d.remove_local_tables("e")
+    assert d.handle_counts()["local_dlists"] == base

@@ -116,11 +116,14 @@ def test_eight_engines_share_one_agent_and_one_registration(
             )
             assert agents == ["D"] and len(registrations) == 1  # no agent and no registration per engine
         counts = d.handle_counts()
-        per_link = sum(len(lk.rows) for lk in links)
+        # every link's plan holds the rank's one base table (one read-only array), prepped once for all
+        assert all(list(lk.rows) == ["whole"] for lk in links)
+        assert all(lk.rows["whole"] is links[0].rows["whole"] for lk in links)
+        assert not links[0].rows["whole"].flags.writeable
         assert counts == {
             "xfer": 0,
             "zombie_xfer": 0,
-            "local_dlists": per_link,
+            "local_dlists": 1,
             "remote_dlists": ENGINES,
             "remote_agents": ENGINES,
             "registrations": 1,
@@ -142,16 +145,22 @@ def test_eight_engines_share_one_agent_and_one_registration(
 
         # unlinking one engine releases exactly its handles; the others keep serving
         gone = links.pop(3)
-        scope_dlists = len(gone.rows)
         gone.close()
         after = d.handle_counts()
-        assert after["local_dlists"] == counts["local_dlists"] - scope_dlists
+        assert after["local_dlists"] == 1  # still held by the other links
         assert (after["remote_dlists"], after["remote_agents"], after["registrations"]) == (ENGINES - 1, ENGINES - 1, 1)
         assert "p3" not in d.local_scopes()
         with pytest.raises(TransferError, match="peer 'p3/0' is not connected"):
             d.post("late", gone.transfers(reqs[3].decode_ids, reqs[3].prefill_ids), "READ", 5.0)
         d.post("again", links[0].transfers(reqs[0].decode_ids, reqs[0].prefill_ids), "READ", 10.0)
         assert _pump(d, prefills, 1)[0] == ["again"]
+        for lk in links[:-1]:
+            lk.close()
+        assert d.handle_counts()["local_dlists"] == 1  # the last link still posts from it
+        d.post("last", links[-1].transfers(reqs[7].decode_ids, reqs[7].prefill_ids), "READ", 10.0)
+        assert _pump(d, prefills, 1)[0] == ["last"]
+        links[-1].close()
+        assert d.handle_counts()["local_dlists"] == 0 and len(d._agent.shared) == 0
     assert d.handle_counts() == {k: 0 for k in counts}
     assert agents == ["D"] and len(registrations) == 1
 

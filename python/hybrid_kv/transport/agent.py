@@ -18,6 +18,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 from .._core import expand_rows
 from ..hugepages import HugePageReport, advise_huge_pages
 from .netif import ucx_restricted_to
+from .shared_preps import SharedPreps
 from .tables import CheckedTable, registration_array
 
 __all__ = ["CALL_ERRORS", "DISCONNECT", "LOCAL", "NIXL_ERRORS", "Agent"]
@@ -68,13 +69,16 @@ class Agent:
 
     Local tables live in scopes: the default scope (``None``: the tables given to ``open``) and named scopes
     added later (``add_scope``: e.g. one per peer engine, its ``PeerPlan``'s local tables), each released as a
-    whole (``remove_scope``). A peer connected with a scope resolves its transfers' local keys there.
+    whole (``remove_scope``). A peer connected with a scope resolves its transfers' local keys there. A read-only
+    array given to several scopes (``PeerPlan.local_rows``' shared base table) is checked and prepped once
+    (``shared``) and released with the last scope holding it.
 
     Attributes:
         nixl: the underlying ``nixl_agent`` (for posting, checking and notifications).
         tables: the default scope's local descriptor tables by key.
         local: their prepped dlists by key.
         scopes: each named scope's ``(tables, prepped dlists)`` by key.
+        shared: the scopes' tables prepped once for several scopes.
         zombies: xfer handles NIXL refused to release (still in progress); retried by ``reap_zombies``.
         metadata: this agent's NIXL metadata, served to peers by the side channel.
     """
@@ -87,6 +91,7 @@ class Agent:
         self.tables: dict[str, CheckedTable] = {}
         self.local: dict[str, Any] = {}
         self.scopes: dict[str, tuple[dict[str, CheckedTable], dict[str, Any]]] = {}
+        self.shared = SharedPreps()
         self.zombies: list[Any] = []
         self.metadata = b""
         self.huge_pages: HugePageReport | None = None
@@ -146,21 +151,35 @@ class Agent:
         prepped and raises)."""
         if scope in self.scopes:
             raise ValueError(f"local table scope {scope!r} already exists")
-        checked = {key: CheckedTable(key, np.asarray(rows)) for key, rows in tables.items()}
+        checked: dict[str, CheckedTable] = {}
         dlists: dict[str, Any] = {}
         try:
-            for key, table in checked.items():
+            for key, rows in tables.items():
+                if (hit := self.shared.acquire(rows)) is not None:
+                    checked[key], dlists[key] = hit
+                    continue
+                table = CheckedTable(key, np.asarray(rows))
                 dlists[key] = self.prep(LOCAL, table)
+                checked[key] = table
+                self.shared.add(rows, table, dlists[key])
         except BaseException:
-            self.release_dlists(dlists)
+            self._release_scope(checked, dlists)
             raise
         self.scopes[scope] = (checked, dlists)
 
     def remove_scope(self, scope: str) -> None:
-        """Release the named scope's prepped dlists and forget its tables (unknown scopes are ignored)."""
+        """Release the named scope's prepped dlists (a shared one with the last scope holding it) and forget its
+        tables (unknown scopes are ignored)."""
         entry = self.scopes.pop(scope, None)
         if entry is not None:
-            self.release_dlists(entry[1])
+            self._release_scope(*entry)
+
+    def _release_scope(self, checked: dict[str, CheckedTable], dlists: dict[str, Any]) -> None:
+        for key in list(dlists):
+            table = checked.get(key)
+            if table is not None and self.shared.shared(table) and self.shared.release(table) is None:
+                del dlists[key]  # other scopes still post from it
+        self.release_dlists(dlists)
 
     def table(self, scope: str | None, key: str) -> CheckedTable | None:
         """Local table ``key`` of ``scope`` (``None``: the default scope), if any."""
@@ -181,8 +200,9 @@ class Agent:
         return self.local[key] if scope is None else self.scopes[scope][1][key]
 
     def local_dlist_count(self) -> int:
-        """Prepped local dlists of every scope."""
-        return len(self.local) + sum(len(dlists) for _, dlists in self.scopes.values())
+        """Prepped local dlists of every scope (a dlist several scopes share counts once)."""
+        handles = {id(d) for _, dlists in self.scopes.values() for d in dlists.values()}
+        return len(self.local) + len(handles)
 
     # ------------------------------------------------------------------ dlists and remote agents
 
