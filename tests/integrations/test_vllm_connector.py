@@ -139,18 +139,7 @@ def test_a_block_rewritten_after_the_prefills_digest_fails_only_its_request(mode
     extra = (("verify", "all"),)
     p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 2, "pull", p_port, extra=extra))
     d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "pull", d_port, extra=extra))
-    finish: dict[str, Any] = {}
-    orig = d.scheduler.update_from_output
-
-    def spy(so: Any, mro: Any) -> Any:
-        res = orig(so, mro)
-        for eco in res.values():
-            for out in eco.outputs:
-                if out.finish_reason is not None:
-                    finish[out.request_id] = out.finish_reason
-        return res
-
-    d.scheduler.update_from_output = spy
+    finish = d.finish_reasons
     try:
         lengths = [300, 517, 64]
         for i, n in enumerate(lengths):

@@ -43,12 +43,12 @@ STEP_BOUND_S = 1.0  # a decode step (scheduler + every worker's hooks) while a h
 
 
 class Outputs:
-    """What vLLM's scheduler does, through spies: tokens scheduled per step, finish reasons."""
+    """What vLLM's scheduler does: tokens scheduled per step (a spy on ``schedule``), finish reasons (the
+    engine's)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.finish: dict[str, Any] = {}
+        self.finish = engine.finish_reasons
         self.scheduled: list[dict[str, int]] = []
-        orig = engine.scheduler.update_from_output
         orig_schedule = engine.scheduler.schedule
 
         def schedule() -> Any:
@@ -56,15 +56,6 @@ class Outputs:
             self.scheduled.append(dict(so.num_scheduled_tokens))
             return so
 
-        def spy(so: Any, mro: Any) -> Any:
-            res = orig(so, mro)
-            for eco in res.values():
-                for out in eco.outputs:
-                    if out.finish_reason is not None:
-                        self.finish[out.request_id] = out.finish_reason
-            return res
-
-        engine.scheduler.update_from_output = spy
         engine.scheduler.schedule = schedule
 
 

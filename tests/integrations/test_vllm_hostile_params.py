@@ -54,27 +54,19 @@ ITEM1 = {
 
 
 class Finishes:
-    """Finish reasons of a decode engine's requests, through a spy on ``update_from_output``."""
+    """Finish reasons of a decode engine's requests (the engine's), and the requests vLLM scheduled (a spy on
+    ``schedule``)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.reason: dict[str, Any] = {}
+        self.reason = engine.finish_reasons
         self.scheduled: set[str] = set()
-        orig, orig_schedule = engine.scheduler.update_from_output, engine.scheduler.schedule
+        orig_schedule = engine.scheduler.schedule
 
         def schedule() -> Any:
             so = orig_schedule()
             self.scheduled |= {r for r, n in so.num_scheduled_tokens.items() if n}
             return so
 
-        def spy(so: Any, mro: Any) -> Any:
-            res = orig(so, mro)
-            for eco in res.values():
-                for out in eco.outputs:
-                    if out.finish_reason is not None:
-                        self.reason[out.request_id] = out.finish_reason
-            return res
-
-        engine.scheduler.update_from_output = spy
         engine.scheduler.schedule = schedule
 
 

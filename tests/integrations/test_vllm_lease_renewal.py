@@ -109,15 +109,7 @@ def test_lease_renewed_while_the_first_handshake_runs(model_dirs: dict[str, str]
     )
     d = Engine.start(EngineSpec("decode", "gqa", gqa, 1, "pull", d_port, extra=lease))
     relays = [SlowFirstRelay(("127.0.0.1", port), HOLD_S) for port in (a_port, b_port)]
-    finish: dict[str, Any] = {}
-    orig = d.scheduler.update_from_output
-
-    def spy(so: Any, mro: Any) -> Any:
-        res = orig(so, mro)
-        finish.update({o.request_id: o.finish_reason for eco in res.values() for o in eco.outputs if o.finish_reason})
-        return res
-
-    d.scheduler.update_from_output = spy
+    finish = d.finish_reasons
     try:
         tickets = {}
         for p, relay in zip((a, b), relays, strict=True):

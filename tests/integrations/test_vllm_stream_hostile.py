@@ -137,18 +137,7 @@ def test_a_second_decode_engine_cannot_take_a_registered_capability(model_dirs: 
     d = Engine.start(EngineSpec("decode", "gqa", model_dirs["gqa"], 1, "push", d_port))
     wait = (("push_registration_timeout_s", 10.0),)
     e = Engine.start(EngineSpec("decode2", "gqa", model_dirs["gqa"], 1, "push", e_port, extra=wait))
-    finish: dict[str, Any] = {}
-    orig = e.scheduler.update_from_output
-
-    def spy(so: Any, mro: Any) -> Any:
-        res = orig(so, mro)
-        for eco in res.values():
-            for out in eco.outputs:
-                if out.finish_reason is not None:
-                    finish[out.request_id] = out.finish_reason
-        return res
-
-    e.scheduler.update_from_output = spy
+    finish = e.finish_reasons
     try:
         e.workers.call("mark")
         d.add("d-0", prompt(0, 300), stream_params(p, CAP), 0)

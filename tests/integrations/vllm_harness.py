@@ -698,6 +698,7 @@ class Engine:
     scheduler: Any
     pending: dict[str, dict[str, int]] = field(default_factory=lambda: {"send": {}, "recv": {}})
     outputs: dict[str, Any] = field(default_factory=dict)
+    finish_reasons: dict[str, Any] = field(default_factory=dict)  # request -> vLLM's FinishReason, once finished
     metas: list[Any] = field(default_factory=list)
     stats: list[dict[str, Any]] = field(default_factory=list)
     worker_step_s: float = 0.0
@@ -801,6 +802,7 @@ class Engine:
             for out in eco.outputs:
                 if out.finish_reason is not None:
                     finished[out.request_id] = out.kv_transfer_params
+                    self.finish_reasons[out.request_id] = out.finish_reason
         self.outputs.update(finished)
         return finished
 
