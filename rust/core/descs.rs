@@ -99,12 +99,7 @@ impl DescTable {
     pub fn to_strided(&self) -> Vec<u64> {
         // One copy of the rows' memory: a loop over the fields was a quarter of building a coalesced
         // DeepSeek-V3 peer's tables (7,747 rows per table).
-        self.strided_view().to_vec()
-    }
-
-    /// The rows as a flat row-major `u64` slice of shape `(rows, 5)`, without copying.
-    pub fn strided_view(&self) -> &[u64] {
-        bytemuck::cast_slice(&self.rows)
+        bytemuck::cast_slice(&self.rows).to_vec()
     }
 
     /// The flat expansion as a row-major `u64` buffer of shape `(len, 3)`: `(addr, len, device)`.

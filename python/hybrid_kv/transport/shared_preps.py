@@ -41,13 +41,11 @@ class SharedPreps:
         entry.holders += 1
         return entry.table, entry.dlist
 
-    def add(self, given: object, table: CheckedTable, dlist: Any) -> bool:
+    def add(self, given: object, table: CheckedTable, dlist: Any) -> None:
         """Record a first check and dlist, held by one scope, when ``given`` is a read-only ndarray the check
-        kept as it was; returns whether it is now shared."""
-        if not (isinstance(given, np.ndarray) and not given.flags.writeable and table.rows is given):
-            return False
-        self._by_id[id(given)] = _Shared(table, dlist, 1)
-        return True
+        kept as it was (anything else is not shared)."""
+        if isinstance(given, np.ndarray) and not given.flags.writeable and table.rows is given:
+            self._by_id[id(given)] = _Shared(table, dlist, 1)
 
     def shared(self, table: CheckedTable) -> bool:
         """Whether ``table`` is a shared one (``release`` decides when its dlist goes)."""
