@@ -79,6 +79,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if rep.failed:
         for e in RUNNING:
             rep.sections.append((f"engine {e.name} ({e.log_path}), last lines", e.tail(80)))
+        for e in RUNNING:
+            rep.sections.append((f"engine {e.name}: Python stacks of its processes", e.stacks()))
 
 
 @pytest.fixture(scope="session")

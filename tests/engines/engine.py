@@ -84,6 +84,21 @@ def core_partition(parts: int, tp_sizes: list[int] | None = None) -> list[str]:
     return out
 
 
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (from ``/proc``)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == pgid:
+                pids.append(int(d.name))
+    return sorted(pids)
+
+
 class EngineError(RuntimeError):
     """An engine did not start, died, or did not answer in time (the message ends with its log's tail)."""
 
@@ -147,6 +162,23 @@ class Engine:
         except OSError:
             return "(no log)"
         return "\n".join(text[-lines:])
+
+    def stacks(self, timeout_s: float = 20.0) -> str:
+        """The Python stacks of every live process of the engine's group (API server, EngineCore, workers, side
+        channels), by ``py-spy dump``: what a stuck engine was doing when a test gave up on it."""
+        spy = Path(sys.executable).with_name("py-spy")
+        if self.proc is None or self.proc.poll() is not None:
+            return "(not running)"
+        if not spy.exists():
+            return f"(no {spy})"
+        out = []
+        for pid in _group_pids(self.proc.pid):
+            try:
+                r = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, timeout=timeout_s)
+                out.append(f"--- pid {pid}\n" + (r.stdout or r.stderr).decode(errors="replace"))
+            except subprocess.TimeoutExpired:
+                out.append(f"--- pid {pid}: py-spy gave no dump within {timeout_s:g} s")
+        return "\n".join(out)
 
     def fail(self, what: str) -> EngineError:
         return EngineError(f"engine {self.name}: {what}\n--- last lines of {self.log_path}:\n{self.tail()}")
