@@ -47,6 +47,21 @@ def _counter(engine: Engine, key: str) -> int:
     return sum(s.get(key, 0) for s in engine.stats)
 
 
+def _finish_statuses(engine: Engine) -> dict[str, Any]:
+    """The status each request of ``engine`` is finished with through ``Scheduler.finish_requests`` (the failed-load
+    path of ``kv_load_failure_policy``), recorded by a spy from now on."""
+    statuses: dict[str, Any] = {}
+    orig = engine.scheduler.finish_requests
+
+    def spy(ids: Any, status: Any) -> Any:
+        for rid in [ids] if isinstance(ids, str) else ids:
+            statuses[rid] = status
+        return orig(ids, status)
+
+    engine.scheduler.finish_requests = spy
+    return statuses
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
 def test_kimi_linear_streams_every_layer_byte_exact(model_dirs: dict[str, str], p_tp: int, d_tp: int) -> None:
     """Hybrid MLA + KDA in shared HMA tensors, heterogeneous TP both ways: every stage is released by a layer
@@ -102,15 +117,7 @@ def test_a_failed_early_stage_fails_exactly_that_request(model_dirs: dict[str, s
     p, d = _pair(model_dirs, "kimi", 1, 1)
     try:
         p.fail = {"d-1"}
-        statuses: dict[str, Any] = {}
-        orig = d.scheduler.finish_requests
-
-        def spy(ids: Any, status: Any) -> Any:
-            for rid in [ids] if isinstance(ids, str) else ids:
-                statuses[rid] = status
-            return orig(ids, status)
-
-        d.scheduler.finish_requests = spy
+        statuses = _finish_statuses(d)
         for i, n in enumerate([300, 517]):
             d.add(f"d-{i}", prompt(i, n), stream_params(p, f"{i + 1:032x}"), i)
         run_until([d, p], lambda: all(k >= 2 and "decode" in links for k, links in p.workers.call("stream_state")))
@@ -159,15 +166,7 @@ def test_a_decode_that_stopped_waiting_gets_nothing_written(model_dirs: dict[str
     p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "push", p_port, layerwise=True))
     wait = (("push_registration_timeout_s", 4.0),)
     d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "push", d_port, extra=wait))
-    statuses: dict[str, Any] = {}
-    orig = d.scheduler.finish_requests
-
-    def spy(ids: Any, status: Any) -> Any:
-        for rid in [ids] if isinstance(ids, str) else ids:
-            statuses[rid] = status
-        return orig(ids, status)
-
-    d.scheduler.finish_requests = spy
+    statuses = _finish_statuses(d)
     try:
         d.workers.call("mark")
         cap = os.urandom(16).hex()
