@@ -348,6 +348,15 @@ def test_nixl_telemetry_counts_merged_descriptors_and_bytes(
     assert h.stats.post_s >= 0 and h.stats.transfer_s >= 0
 
 
+def _read_one_half_block(p: Endpoint, d: Endpoint, src: np.ndarray, dst: np.ndarray, peer: str) -> None:
+    """READ the first half of the peer's block 5 into the second half of our block 2, through local table ``only``
+    (the "halves" form) of ``peer``'s scope, and check the bytes."""
+    before = dst.copy()
+    d.post("r", [(peer, "only", "halves", ids(BLOCKS + 2), ids(5))], "READ", 2.0)
+    assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
+    assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 2], [5]))
+
+
 def test_peers_post_from_their_own_scope_of_local_tables(
     pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
 ) -> None:
@@ -364,10 +373,7 @@ def test_peers_post_from_their_own_scope_of_local_tables(
         TransferError, match=r"unknown local table 'whole' in scope 'eng' \(peer 'eng/0'\); known: \['only'\]"
     ):
         d.post("r", [("eng/0", "whole", "whole", ids(0), ids(0))], "READ", 1.0)
-    before = dst.copy()
-    d.post("r", [("eng/0", "only", "halves", ids(BLOCKS + 2), ids(5))], "READ", 2.0)
-    assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
-    assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 2], [5]))
+    _read_one_half_block(p, d, src, dst, "eng/0")
     d.disconnect("eng/0")
     d.remove_local_tables("eng")
     assert d.handle_counts() == base and d.local_scopes() == []
@@ -388,10 +394,7 @@ def test_a_read_only_table_given_to_several_scopes_is_prepped_once(
     d.remove_local_tables("a")
     assert d.handle_counts()["local_dlists"] == base + 2
     d.connect("b/0", p.address, tables_from_payload, timeout_s=2.0, local_scope="b")
-    before = dst.copy()
-    d.post("r", [("b/0", "only", "halves", ids(BLOCKS + 2), ids(5))], "READ", 2.0)
-    assert pump(d, lambda e: e.done or e.failed, 3.0, others=[p]).done == ["r"]
-    assert np.array_equal(dst, expected_after(before, src, "halves", [BLOCKS + 2], [5]))
+    _read_one_half_block(p, d, src, dst, "b/0")
     d.disconnect("b/0")
     d.remove_local_tables("b")
     assert d.handle_counts()["local_dlists"] == base

@@ -7,6 +7,18 @@ use crate::core::coalesce::MAX_CHUNK_LOG2;
 use crate::core::descs::DescTable;
 use crate::core::scenario::{Deployment, Scenario};
 
+/// MLA + SSM tensors, pull at TP 1 -> 1 (200 blocks each side), one request of one block per group.
+fn mla_ssm_pull_tp1(tensors: &[&[&str]]) -> Scenario {
+    scenario(
+        &["mla", "ssm"],
+        tensors,
+        (1, 200),
+        (1, 200),
+        "pull",
+        ("[[7], [9]]", "[[8], [10]]"),
+    )
+}
+
 /// A scenario of `tensors` tensors of the given layers (`"mla"`, `"gqa"`, `"ssm"`), groups in `kinds` order.
 fn scenario(
     kinds: &[&str],
@@ -194,14 +206,7 @@ fn hybrid_plans_of_one_rank_share_their_base_table_with_state_rows() {
     // MLA + SSM at equal TP: the base table gets chunk rows and whole-state rows; every plan of the rank holds
     // that one table (its rows copied out and prepped once), equal to coalesced_local_table.
     let tensors: &[&[&str]] = &[&["mla", "ssm"], &["mla", "ssm"]];
-    let s = scenario(
-        &["mla", "ssm"],
-        tensors,
-        (1, 200),
-        (1, 200),
-        "pull",
-        ("[[7], [9]]", "[[8], [10]]"),
-    );
+    let s = mla_ssm_pull_tp1(tensors);
     let dep = Deployment::build(&s).unwrap();
     let local = &dep.decode[0].table;
     let remotes = vec![dep.prefill[0].meta.clone()];
@@ -393,13 +398,6 @@ fn equal_tp_ssm_states_post_one_descriptor_each() {
     // MLA + SSM, TP 1 -> 1: one block per request and group: 2 regions x (1 MLA run + 1 state) = 4 after the
     // merge, against 2 x (1 + 4 pieces) = 10 for the reference.
     let tensors: &[&[&str]] = &[&["mla"], &["ssm"], &["mla"], &["ssm"]];
-    let s = scenario(
-        &["mla", "ssm"],
-        tensors,
-        (1, 200),
-        (1, 200),
-        "pull",
-        ("[[7], [9]]", "[[8], [10]]"),
-    );
+    let s = mla_ssm_pull_tp1(tensors);
     assert_eq!(merged_counts(&s), (4, 10));
 }
