@@ -2,6 +2,7 @@
 handshake failures, queued requests, passive deadlines and handle accounting."""
 
 import re
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -10,6 +11,7 @@ import zmq
 from _peers import BLOCK, BLOCKS, expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
 
 from hybrid_kv.transport import Endpoint, HandshakeError, RequestState, TransferError
+from hybrid_kv.transport.side_channel import SideChannelServer
 
 ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
 
@@ -265,6 +267,45 @@ def test_control_messages_reach_poll(pair: tuple[Endpoint, Endpoint, np.ndarray,
     assert ev.control[0].sender == "D" and ev.control[0].payload == b"register r1 blocks 1,2"
     with pytest.raises(TransferError, match="control message .* failed"):
         d.send_control("tcp://127.0.0.1:1", b"x", timeout_s=0.2)
+
+
+class SlowFirstAck:
+    """A side-channel owner whose first control message holds the server past the sender's first attempt, so
+    that attempt is never acknowledged in time (a lost ack, as a starved peer causes)."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.seen: list[bytes] = []
+
+    def meta(self, rank: int) -> tuple[bytes, bytes]:
+        raise KeyError(rank)
+
+    def on_control(self, sender: str, payload: bytes) -> None:
+        self.seen.append(payload)
+        if len(self.seen) == 1:
+            time.sleep(self.hold_s)
+
+
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_unacknowledged_control_messages_are_sent_again_within_the_timeout(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray], attempts: int
+) -> None:
+    _, d, _, _ = pair
+    owner = SlowFirstAck(hold_s=0.5)
+    server = SideChannelServer("tcp://127.0.0.1:0", owner.meta, owner.on_control, name="Q", key=d._key)
+    try:
+        t0 = time.monotonic()
+        if attempts == 1:  # one attempt of the whole 1.0 s would wait out the hold: 0.3 s does not
+            with pytest.raises(TransferError, match=r"no acknowledgement within 0.3 s"):
+                d.send_control(server.address, b"release r1", timeout_s=0.3, expected_name="Q")
+        else:  # attempts of 1/7, 2/7 and 4/7 s: the first two end inside the hold, the third is acknowledged
+            d.send_control(server.address, b"release r1", timeout_s=1.0, expected_name="Q", attempts=attempts)
+            assert time.monotonic() - t0 < 1.0
+            assert owner.seen[-1] == b"release r1" and len(owner.seen) >= 2  # the receiver saw it again
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="attempts must be 1 to 5, got 0"):
+        d.send_control(server.address, b"x", attempts=0)
 
 
 def test_close_is_idempotent_and_blocks_further_use() -> None:

@@ -46,9 +46,9 @@ from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peer, Peers
 from .requests import ControlMessage, Op, PeerKey, PollResult, RequestHandle, Transfer
-from .side_channel import ChannelError, MetaReply, SideChannelServer, send_control
+from .side_channel import ChannelError, ChannelTimeout, MetaReply, SideChannelServer, send_control
 
-__all__ = ["MAX_QUEUED_CONTROLS", "Endpoint"]
+__all__ = ["MAX_CONTROL_ATTEMPTS", "MAX_QUEUED_CONTROLS", "Endpoint"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -68,6 +68,8 @@ def _locked(fn: Callable[Concatenate[Endpoint, _P], _R]) -> Callable[Concatenate
 MAX_QUEUED_CONTROLS = 1024
 """Control messages queued until the owner's next ``poll()``; past that, new ones are refused (the
 sender gets a ``TransferError`` saying the queue is full) and the overflow is logged."""
+MAX_CONTROL_ATTEMPTS = 5
+"""Most attempts ``send_control`` makes for one message (the first gets 1/31 of its timeout at this many)."""
 
 
 class Endpoint:
@@ -422,24 +424,47 @@ class Endpoint:
         return None if holder is None else holder.key
 
     def send_control(
-        self, address: str, payload: bytes, timeout_s: float = 5.0, *, expected_name: str | None = None
+        self,
+        address: str,
+        payload: bytes,
+        timeout_s: float = 5.0,
+        *,
+        expected_name: str | None = None,
+        attempts: int = 1,
     ) -> None:
         """Deliver an opaque control payload to the endpoint serving ``address`` and wait for its ack.
 
         The receiver sees this endpoint's name as the authenticated ``ControlMessage.sender``.
         ``expected_name``: the endpoint meant; the message names it, and any other endpoint refuses it
-        before acting on it.
+        before acting on it. ``attempts`` (1 to ``MAX_CONTROL_ATTEMPTS``): a message not acknowledged in time is
+        sent again on a fresh connection, each attempt given twice the time of the one before and all of them
+        ``timeout_s`` together; an unacknowledged message may still have arrived, so the receiver may see it
+        more than once (retry only messages it treats idempotently). Any other failure is not retried.
 
         Raises:
+            ValueError: ``attempts`` out of range.
             TransferError: a payload over ``side_channel.MAX_CONTROL_BYTES``, no acknowledgement within
                 ``timeout_s``, failed authentication, an unexpected acknowledging endpoint, or an error
                 from the peer (e.g. its control queue is full).
         """
         self._check_open()
-        try:
-            acked_by = send_control(self._ctx, address, payload, self.name, timeout_s, key=self._key, to=expected_name)
-        except ChannelError as exc:
-            raise TransferError(f"control message to {address} failed: {exc}") from exc
+        if not 1 <= attempts <= MAX_CONTROL_ATTEMPTS:
+            raise ValueError(f"attempts must be 1 to {MAX_CONTROL_ATTEMPTS}, got {attempts}")
+        unit = timeout_s / (2**attempts - 1)
+        for i in range(attempts):
+            try:
+                acked_by = send_control(
+                    self._ctx, address, payload, self.name, unit * 2**i, key=self._key, to=expected_name
+                )
+                break
+            except ChannelTimeout as exc:
+                if i + 1 == attempts:
+                    tries = f" ({attempts} attempts)" if attempts > 1 else ""
+                    raise TransferError(
+                        f"control message to {address} failed: no acknowledgement within {timeout_s:g} s{tries}"
+                    ) from exc
+            except ChannelError as exc:
+                raise TransferError(f"control message to {address} failed: {exc}") from exc
         if expected_name is not None and acked_by != expected_name:
             raise TransferError(
                 f"control message to {address} was acknowledged by {acked_by!r}, expected {expected_name!r}"

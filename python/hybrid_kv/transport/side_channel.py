@@ -59,6 +59,7 @@ __all__ = [
     "MAX_REQUEST_FRAME_BYTES",
     "PROTOCOL",
     "ChannelError",
+    "ChannelTimeout",
     "MetaReply",
     "SideChannelServer",
     "fetch_meta",
@@ -116,6 +117,10 @@ ControlFn = Callable[[str, bytes], None]
 
 class ChannelError(Exception):
     """A side-channel call failed (timeout, protocol mismatch, authentication, a limit, or an error from the peer)."""
+
+
+class ChannelTimeout(ChannelError):
+    """No reply within the call's timeout: the request may or may not have reached the server."""
 
 
 class MetaReply(NamedTuple):
@@ -494,7 +499,7 @@ def _call(
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise ChannelError(f"no reply from {address} within {timeout_s:g} s")
+                raise ChannelTimeout(f"no reply from {address} within {timeout_s:g} s")
             if stop is not None and stop.is_set():
                 raise ChannelError("side-channel call cancelled: endpoint closing")
             ready = dict(poller.poll(min(left_ms, _TICK_MS)))
