@@ -398,3 +398,35 @@ def test_expired_lease_is_a_load_failure(model_dirs: dict[str, str]) -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_a_request_vllms_api_server_rejected_frees_the_prefill_blocks_at_once(model_dirs: dict[str, str]) -> None:
+    """A decode request that vLLM's API server rejected before it reached the engine (an error response, e.g. a
+    full queue): vLLM then adds a stand-in aborted at once, with a one-token prompt and the request's
+    ``kv_transfer_params`` (``AsyncLLM.notify_kv_transfer_request_rejected``), so the connector can release the
+    prefill's blocks. GQA, TP 1, pull, a 60 s lease: the prefill frees the blocks of its 10-block request within
+    seconds, where a release bounded by the stand-in's prompt (2 blocks) was refused and the blocks stayed held
+    until the lease ran out. A second stand-in for the same ticket releases nothing (the ticket is spent) and is
+    not counted as a refused ticket."""
+    from vllm.v1.request import RequestStatus
+
+    p_port, d_port = side_channel_ports(2)
+    lease = (("lease_s", 60.0),)
+    p = Engine.start(EngineSpec("prefill", "gqa", model_dirs["gqa"], 1, "pull", p_port, extra=lease))
+    d = Engine.start(EngineSpec("decode", "gqa", model_dirs["gqa"], 1, "pull", d_port, extra=lease))
+    try:
+        params = _prefill(p, ["p-0"], [300], 0)["p-0"]
+        assert len(params["remote_block_ids"][0]) == 10 and "p-0" in p.scheduler.requests  # leased
+        t0 = time.monotonic()
+        for name in ("stand-in", "stand-in-again"):
+            d.add(name, [0], dict(params), 0)  # what notify_kv_transfer_request_rejected submits
+            d.scheduler.finish_requests([name], RequestStatus.FINISHED_ABORTED)
+        run_until([p, d], lambda: p.idle() and d.idle(), timeout_s=30)
+        assert time.monotonic() - t0 < 15  # released, not expired (60 s)
+        free = p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free == p.kv_cfg.num_blocks - 1
+        assert p.counter("num_expired_leases") == 0
+        assert d.counter("num_refused_tickets") == 0
+    finally:
+        p.close()
+        d.close()

@@ -14,11 +14,10 @@ lease, as every first request did before.
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 from typing import Any
 
+from tcp_relay import TcpRelay
 from tickets_helper import reissue
 from vllm_harness import CONTENT_TOKENS, Engine, EngineSpec, prompt, run_until, side_channel_ports
 
@@ -27,63 +26,6 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 HOLD_S = 8.0
 LEASE_S = 4.0
-
-
-class SlowFirstRelay:
-    """Relays TCP connections from a free local port to ``target``; the first one is held ``hold_s`` first."""
-
-    def __init__(self, target: tuple[str, int], hold_s: float) -> None:
-        self.target, self.hold_s = target, hold_s
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            hold = self.hold_s if self.accepted == 1 else 0.0
-            threading.Thread(target=self._relay, args=(client, hold), daemon=True).start()
-
-    def _relay(self, client: socket.socket, hold: float) -> None:
-        time.sleep(hold)
-        try:
-            upstream = socket.create_connection(self.target)
-        except OSError:
-            client.close()
-            return
-        for a, b in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
-
-
-def _series(engine: Engine, key: str) -> int:
-    return sum(int(s.get(key, 0)) for s in engine.stats)
 
 
 def _moved(d: Engine, rid: str) -> Any:
@@ -108,7 +50,8 @@ def test_lease_renewed_while_the_first_handshake_runs(model_dirs: dict[str, str]
         EngineSpec("prefill-b", "gqa", gqa, 1, "pull", b_port, extra=(*lease, ("lease_max_extension_s", 0.0)))
     )
     d = Engine.start(EngineSpec("decode", "gqa", gqa, 1, "pull", d_port, extra=lease))
-    relays = [SlowFirstRelay(("127.0.0.1", port), HOLD_S) for port in (a_port, b_port)]
+    # the first connection (the handshake's metadata fetch) is held; every later one passes at once
+    relays = [TcpRelay(("127.0.0.1", port), lambda n: HOLD_S if n == 1 else 0.0) for port in (a_port, b_port)]
     finish = d.finish_reasons
     try:
         tickets = {}
@@ -124,9 +67,9 @@ def test_lease_renewed_while_the_first_handshake_runs(model_dirs: dict[str, str]
         assert time.monotonic() - t0 > HOLD_S > LEASE_S  # the handshakes really outlasted the original lease
         assert finish["d-a"] != FinishReason.ERROR
         assert finish["d-b"] == FinishReason.ERROR  # the control: no extension allowed, the lease ran out
-        assert _series(d, "num_lease_renewals") >= 2  # d-a's, more than once (a heartbeat); none for d-b
-        assert _series(a, "num_expired_leases") == 0 and _series(b, "num_expired_leases") == 1
-        assert _series(d, "num_failed_transfers") == 1
+        assert d.counter("num_lease_renewals") >= 2  # d-a's, more than once (a heartbeat); none for d-b
+        assert a.counter("num_expired_leases") == 0 and b.counter("num_expired_leases") == 1
+        assert d.counter("num_failed_transfers") == 1
         for problem, nbytes in d.workers.call("verify", [_moved(d, "d-a")]):  # d-a landed; nothing else changed
             assert problem is None, problem
             assert nbytes > 0

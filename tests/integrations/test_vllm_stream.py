@@ -43,10 +43,6 @@ def _pair(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, **p_kw: 
     return p, d
 
 
-def _counter(engine: Engine, key: str) -> int:
-    return sum(s.get(key, 0) for s in engine.stats)
-
-
 def _finish_statuses(engine: Engine) -> dict[str, Any]:
     """The status each request of ``engine`` is finished with through ``Scheduler.finish_requests`` (the failed-load
     path of ``kv_load_failure_policy``), recorded by a spy from now on."""
@@ -70,8 +66,8 @@ def test_kimi_linear_streams_every_layer_byte_exact(model_dirs: dict[str, str], 
     try:
         reqs = route_concurrent(p, d, [300, 517, 64])
         assert verify_moved(p, d, reqs) > 0
-        assert _counter(p, "num_streamed_requests") == 3 * p_tp
-        assert _counter(p, "num_stream_fallbacks") == 0 and _counter(p, "num_failed_transfers") == 0
+        assert p.counter("num_streamed_requests") == 3 * p_tp
+        assert p.counter("num_stream_fallbacks") == 0 and p.counter("num_failed_transfers") == 0
         # one layerwise forward per prefill worker streamed; its hooks released every stage (none left to the end)
         assert p.released and all(n == total for n, total in p.released), p.released
     finally:
@@ -85,7 +81,7 @@ def test_gqa_streams_byte_exact(model_dirs: dict[str, str]) -> None:
     try:
         reqs = route_concurrent(p, d, [300, 64])
         assert verify_moved(p, d, reqs) > 0
-        assert _counter(p, "num_streamed_requests") == 2
+        assert p.counter("num_streamed_requests") == 2
         assert p.released == [(2, 2)]
     finally:
         p.close()
@@ -102,7 +98,7 @@ def test_chunked_prefill_streams_in_the_last_chunk_only(model_dirs: dict[str, st
         assert verify_moved(p, d, reqs) > 0
         forwards = [m for m in p.metas if m.stream]
         assert len(forwards) == 1, "streamed in exactly one step: the last chunk's"
-        assert _counter(p, "num_streamed_requests") == 1
+        assert p.counter("num_streamed_requests") == 1
     finally:
         p.close()
         d.close()
@@ -125,7 +121,7 @@ def test_a_failed_early_stage_fails_exactly_that_request(model_dirs: dict[str, s
             p.add(f"p-{i}", prompt(i, n), {"do_remote_decode": True, "hkv_stream": f"{i + 1:032x}"}, i)
             p.fills[f"p-{i}"] = (i, CONTENT_TOKENS)
         run_until([p, d], lambda: {"d-0", "d-1"} <= set(d.outputs) and p.idle())
-        assert _counter(p, "num_failed_transfers") == 1
+        assert p.counter("num_failed_transfers") == 1
         assert statuses.get("d-1") == RequestStatus.FINISHED_ERROR, statuses  # kv_load_failure_policy "fail"
         assert "d-0" not in statuses
         ok = [(0, dict(p.outputs["p-0"]))]
@@ -151,7 +147,7 @@ def test_a_registration_after_the_forward_is_pushed_whole(model_dirs: dict[str, 
         d.add("d-0", prompt(0, 300), stream_params(p, cap), 0)
         run_until([p, d], lambda: "d-0" in d.outputs and p.idle())
         assert verify_moved(p, d, [(0, dict(p.outputs["p-0"]))]) > 0
-        assert _counter(p, "num_stream_fallbacks") == 1 and _counter(p, "num_streamed_requests") == 0
+        assert p.counter("num_stream_fallbacks") == 1 and p.counter("num_streamed_requests") == 0
     finally:
         p.close()
         d.close()
@@ -181,7 +177,7 @@ def test_a_decode_that_stopped_waiting_gets_nothing_written(model_dirs: dict[str
             d.step()
         for problem, _ in d.workers.call("verify", []):
             assert problem is None, f"the decode's memory changed after it stopped waiting: {problem}"
-        assert _counter(p, "num_streamed_requests") == 0 and _counter(p, "num_stream_fallbacks") == 1
+        assert p.counter("num_streamed_requests") == 0 and p.counter("num_stream_fallbacks") == 1
         assert p.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == p.kv_cfg.num_blocks - 1
     finally:
         p.close()

@@ -835,6 +835,10 @@ class Engine:
     def idle(self) -> bool:
         return not self.scheduler.requests and not any(self.pending.values())
 
+    def counter(self, key: str) -> int:
+        """Counter ``key`` of the connector's stats (``stats.COUNTERS``), summed over every step and worker."""
+        return sum(int(s.get(key, 0)) for s in self.stats)
+
     def close(self) -> None:
         self.workers.close()
 

@@ -39,6 +39,9 @@ class RecvReq:
     refused: str | None = None
     verify: bool = False  # check this request's transfer digests end to end (the scheduler's ``verify`` choice)
     cap: bytes = b""  # a concurrent push's capability (then no ticket, remote_request_id and remote_block_ids)
+    # the request is gone here (aborted or rejected before it loaded): only tell the prefill engine to free its
+    # blocks; vLLM no longer knows the request, so it is never reported finished or failed
+    release_only: bool = False
 
     @classmethod
     def refusal(cls, request_id: str, local_block_ids: BlockIds, reason: str) -> RecvReq:

@@ -36,7 +36,15 @@ from .config import ConnectorConfig
 from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
 from .params import StreamGrant, TransferParams, parse_networks, stream_cap
 from .stats import HybridKvStats
-from .tickets import GRANT_BYTES, TICKET_FIELD, TICKET_VERSION, Ticket, TicketError, TicketKey
+from .tickets import (
+    ALREADY_USED,
+    GRANT_BYTES,
+    TICKET_FIELD,
+    TICKET_VERSION,
+    Ticket,
+    TicketError,
+    TicketKey,
+)
 
 __all__ = ["SchedulerHalf"]
 
@@ -194,13 +202,26 @@ class SchedulerHalf:
             params["do_remote_prefill"] = False
         self.stats.add_time("scheduler_s", time.perf_counter() - t0)
 
-    def _recv_req(self, request: Any, local: BlockIds, params: dict[str, Any]) -> RecvReq:
-        """The request to load from ``params`` (untrusted): from its verified ticket only, or a refusal."""
+    def _recv_req(
+        self,
+        request: Any,
+        local: BlockIds,
+        params: dict[str, Any],
+        max_blocks: list[int] | None = None,
+        releasing: bool = False,
+    ) -> RecvReq:
+        """The request to load from ``params`` (untrusted): from its verified ticket only, or a refusal.
+        ``max_blocks``: per group, the most remote blocks the ticket may name (default: what ``request`` can
+        hold). ``releasing``: only to release the prefill's blocks; a ticket already used then is no news (the
+        request that used it released them), so it is not logged as a refusal."""
         try:
-            ticket = self.params.check(params, self.max_blocks(request), time.time())
+            ticket = self.params.check(params, max_blocks or self.max_blocks(request), time.time())
         except Exception as exc:  # noqa: BLE001 - defence in depth: check() never raises; this hook must not
             ticket = f"kv_transfer_params could not be checked: {type(exc).__name__}"
         if isinstance(ticket, str):
+            if releasing and ticket.endswith(ALREADY_USED):
+                log.debug("hybrid-kv: request %s: nothing to release: %s", request.request_id, ticket)
+                return RecvReq.refusal(request.request_id, local, ticket)
             self.stats.count("num_refused_tickets")
             log.warning("hybrid-kv: request %s refused: %s", request.request_id, ticket)
             return RecvReq.refusal(request.request_id, local, ticket)
@@ -289,9 +310,14 @@ class SchedulerHalf:
             self._streamed.discard(request.request_id)
             params = request.kv_transfer_params
             if _wants_remote(params, "do_remote_prefill"):
-                # aborted before its blocks were allocated: tell the prefill engine to free its blocks
-                req = self._recv_req(request, [], params)
+                # never loaded here: aborted before its blocks were allocated, or rejected by vLLM's API server before
+                # it reached the engine (vLLM then finishes a stand-in with a one-token prompt). Tell the prefill
+                # engine to free its blocks. Its ids are bounded by what this engine could hold, not by this
+                # request's prompt (a release sizes nothing by them).
+                most = [int(self.kv_cache_config.num_blocks)] * len(self._ssm_spec)
+                req = self._recv_req(request, [], params, most, releasing=True)
                 if req.refused is None:
+                    req.release_only = True
                     self._recv[request.request_id] = req
                 params["do_remote_prefill"] = False
                 return False, None

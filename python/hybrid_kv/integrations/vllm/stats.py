@@ -30,6 +30,7 @@ COUNTERS = (
     "num_digest_mismatches",
     "num_streamed_requests",
     "num_stream_fallbacks",
+    "num_lost_controls",
 )
 # Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
 # parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
@@ -155,6 +156,10 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "num_stream_fallbacks": (
                 "vllm:hybrid_kv_num_stream_fallbacks",
                 "Prefill requests with a stream capability pushed whole (no decode registration or link in time).",
+            ),
+            "num_lost_controls": (
+                "vllm:hybrid_kv_num_lost_controls",
+                "Control messages to peers never acknowledged after every attempt (a request waiting on one fails).",
             ),
         }
         self._hist = {

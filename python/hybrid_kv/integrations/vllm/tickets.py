@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from ...limits import MAX_TP_SIZE
 
 __all__ = [
+    "ALREADY_USED",
     "GRANT_BYTES",
     "MAX_BLOCKS_PER_GROUP",
     "MAX_SPENT_TICKETS",
@@ -62,6 +63,8 @@ group further by what its own request can hold (``params``)."""
 MAX_TICKET_CHARS = 12 * MAX_GROUPS * 1024 + 1024
 """Longest ticket text decoded; longer is refused before base64 allocates (a ticket of a 64 K-token request
 in 16-token blocks over 4 groups is about 22 KB)."""
+ALREADY_USED = "was already used"
+"""The end of the refusal of a ticket or capability used before."""
 MAX_SPENT_TICKETS = 1 << 17
 """Live (unexpired) tickets a decode remembers as used; past that, new tickets are refused until some expire."""
 
@@ -189,7 +192,7 @@ class SpentTickets:
                 break
             del self._until[grant]
         if key in self._until:
-            raise TicketError(f"{what} was already used")
+            raise TicketError(f"{what} {ALREADY_USED}")
         if len(self._until) >= self._limit:
             raise TicketError(f"too many live tickets: {self._limit} used and not yet expired")
         self._until[key] = until

@@ -7,7 +7,9 @@ adds only a link (``hybrid_kv.peer_link``): that engine's ``PeerPlan`` local tab
 and its ranks as peers. Handshakes run in the background (``hybrid_kv.link_pool``): at most one per engine, at
 most ``max_concurrent_handshakes`` engines at once, each retried within the waiting requests' deadline.
 
-Completion, in both modes, is reported over the side channel (authenticated control messages):
+Completion, in both modes, is reported over the side channel (authenticated control messages, delivered off
+the step by ``delivery``: in order per peer, each retried; a lost digest ask or push registration fails its
+request at once):
 
 - pull: after its READs for a request finished (or failed, or there was nothing to read), each decode rank
   sends ``release`` to every prefill rank it handshakes with; a prefill rank frees the request's blocks once
@@ -45,7 +47,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ from ...verify import (
 )
 from . import control
 from .config import ConnectorConfig
+from .delivery import ControlDelivery
 from .layout import RankGeometry, compat_factors, engine_facts, rank_table
 from .leases import EARLY_TTL_S, MAX_EARLY, LeaseBook, renewal_until
 from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
@@ -149,6 +151,7 @@ class WorkerHalf:
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
+        self._release_only: set[str] = set()  # requests vLLM no longer knows: never reported (``RecvReq.release_only``)
         self.invalid_blocks: set[int] = set()
         # prefill side: leased requests and what decode engines said about them (``leases``)
         self.leases = LeaseBook(self.name, stream_ttl_s=cfg.push_registration_timeout_s)
@@ -166,8 +169,9 @@ class WorkerHalf:
         # handshakes run in the background, one per engine, a bounded number at once; requests wait for them here
         self._handshakes: LinkPool[PreparedLink] = LinkPool(self.name, cfg.max_concurrent_handshakes)
         self._waiting: dict[str, list[tuple[float, RecvReq | str]]] = {}  # engine -> (deadline, request)
-        # control messages (releases, push registrations and plans) go out on their own thread, in order
-        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hkv-control-{self.name}")
+        # control messages (releases, registrations, plans, digest asks) go out on their own threads, in order
+        # per peer, each retried (``delivery``); a lost one that a request waits on fails that request
+        self.controls = ControlDelivery(self.name, cfg.handshake_timeout_s)
         # verified transfers: the digester of this rank's memory, mirrors of initiators' plans, the algorithm per
         # peer engine; decode (pull) requests waiting for their prefill ranks' digests; prefill asks that came
         # before their lease (kept ``EARLY_TTL_S``, at most ``MAX_EARLY``)
@@ -334,7 +338,9 @@ class WorkerHalf:
                 until = renewal_until(job.lease_expires_at, job.max_lease_expires_at, wall, self.cfg.lease_s)
                 if until is not None:
                     self._renewing.add(job.request_id)
-                    self._control_pool.submit(self._renew_now, job, until)
+                    first = handshake_target_ranks(self.tp_rank, self.tp_size, job.remote_tp_size)[0]
+                    lane = self._address(job.remote_host, job.remote_port, first)
+                    self.controls.run(lane, self._renew_now, job, until)
 
     def _renew_now(self, job: RecvReq, until: float) -> None:
         """Send ``job``'s renewal to each prefill rank it reads from (control thread); logged, never raised."""
@@ -347,6 +353,7 @@ class WorkerHalf:
                     msg,
                     self.cfg.handshake_timeout_s,
                     expected_name=worker_name(job.remote_engine_id, r),
+                    attempts=self.controls.attempts,
                 )
             job.lease_expires_at = until
             self.stats.count("num_lease_renewals")
@@ -377,7 +384,10 @@ class WorkerHalf:
         return link
 
     def _job_failed(self, job: RecvReq | str, reason: str) -> None:
-        if isinstance(job, RecvReq):
+        if isinstance(job, RecvReq) and job.release_only:
+            log.warning("hybrid-kv %s: prefill blocks of %s not released: %s", self.name, job.request_id, reason)
+            self._release_only.discard(job.request_id)
+        elif isinstance(job, RecvReq):
             log.error("hybrid-kv %s: request %s cannot load: %s", self.name, job.request_id, reason)
             self._recv_failed(job.request_id, job.local_block_ids, None)
         else:
@@ -409,6 +419,8 @@ class WorkerHalf:
             self.leases.drop(rid)
         self._poll_handshakes()
         for req in meta.recv.values():
+            if req.release_only:
+                self._release_only.add(req.request_id)
             if req.refused is not None:  # its kv_transfer_params were refused: it fails alone, as a failed load
                 self.stats.count("num_refused_tickets")
                 self._job_failed(req, f"kv_transfer_params refused: {req.refused}")
@@ -514,7 +526,7 @@ class WorkerHalf:
             "deadline": time.monotonic() + self.cfg.transfer_timeout_s,
         }
         msg = control.encode(ask)
-        self._send_controls(link.ep, [(link.addresses[r], msg, name) for name, r in names.items()])
+        self._send_controls(link.ep, [(link.addresses[r], msg, name) for name, r in names.items()], req.request_id)
 
     def _awaited(
         self, waits: dict[str, dict[str, Any]], rid: str, sender: str, seen: str, what: str
@@ -526,8 +538,11 @@ class WorkerHalf:
             self._refused(sender, f"{what} for {rid!r}, which awaits none")
             return None
         rank = wait["names"].get(sender)
-        if rank is None or rank in wait[seen]:
+        if rank is None:
             self._refused(sender, f"{what} for {rid!r} from a sender that is not a prefill rank it awaits")
+            return None
+        if rank in wait[seen]:  # a repeat (its sender may send again when an ack was late): the first counts
+            self._refused(sender, f"{what} for {rid!r} repeated; the first one counts")
             return None
         return wait, int(rank)
 
@@ -648,22 +663,29 @@ class WorkerHalf:
                 self._job_failed(wait["req"], f"no digest from prefill ranks {missing} within the transfer timeout")
                 self._send_controls(wait["link"].ep, wait["releases"])
 
-    def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes, str]]) -> None:
-        """Queue control messages for the control thread: each is a side-channel round trip (up to
-        ``handshake_timeout_s`` with a slow peer), which no step waits for. One thread keeps their order."""
+    def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes, str]], waiting: str | None = None) -> None:
+        """Queue control messages (``(address, payload, the endpoint meant)``) for delivery off the step
+        (``delivery``); ``waiting``: the request that fails at once if one of them is never acknowledged."""
         t0 = time.perf_counter()
         if messages:
-            self._control_pool.submit(self._send_controls_now, ep, messages)
+            self.controls.send(ep, messages, waiting)
         self.stats.add_time("worker_control_s", time.perf_counter() - t0)
 
-    def _send_controls_now(self, ep: Endpoint, messages: list[tuple[str, bytes, str]]) -> None:
-        """Deliver ``messages`` (``(address, payload, the endpoint meant)``, on the control thread): any other
-        endpoint refuses a message; a failure is logged, never raised (the lease covers it)."""
-        for address, payload, to in messages:
-            try:
-                ep.send_control(address, payload, self.cfg.handshake_timeout_s, expected_name=to)
-            except Exception as exc:  # noqa: BLE001 - a lost control message only delays a free until the lease
-                log.warning("hybrid-kv %s: control message to %s failed: %s", self.name, address, exc)
+    def _on_lost_controls(self) -> None:
+        """Fail the requests waiting on a control message that was never acknowledged (a digest ask: no answer
+        can come; a push registration: no push can come), now rather than at their deadlines."""
+        for rid, why in self.controls.take_lost():
+            self.stats.count("num_lost_controls")
+            if rid is None:
+                continue
+            wait = self.verify_wait.pop(rid, None)
+            if wait is not None:
+                self._job_failed(wait["req"], why)
+                self._send_controls(wait["link"].ep, wait["releases"])
+            wait = self.push_wait.pop(rid, None)
+            if wait is not None:
+                log.error("hybrid-kv %s: request %s cannot load: %s", self.name, rid, why)
+                self._recv_failed(rid, wait["ids"], None)
 
     # ------------------------------------------------------------------ push
 
@@ -700,14 +722,12 @@ class WorkerHalf:
                 verify=req.verify,
             )
         msg = control.encode(reg)
+        regs = [
+            (self._address(req.remote_host, req.remote_port, r), msg, worker_name(req.remote_engine_id, r))
+            for r in targets
+        ]
         if not reg.ids:
-            self._send_controls(
-                self.server,
-                [
-                    (self._address(req.remote_host, req.remote_port, r), msg, worker_name(req.remote_engine_id, r))
-                    for r in targets
-                ],
-            )
+            self._send_controls(self.server, regs)
             self.finished_recving.add(req.request_id)
             return
         self.push_wait[req.request_id] = {
@@ -721,13 +741,7 @@ class WorkerHalf:
             "remote_ids": req.remote_block_ids,
             "payloads": {},  # verified: writer name -> (its payload, its coalesce setting)
         }
-        self._send_controls(
-            self.server,
-            [
-                (self._address(req.remote_host, req.remote_port, r), msg, worker_name(req.remote_engine_id, r))
-                for r in targets
-            ],
-        )
+        self._send_controls(self.server, regs, req.request_id)
 
     def _on_push_plan(self, sender: str, msg: control.PushPlan) -> None:
         """A prefill rank's answer to our registration: only the ranks we registered with answer, once each,
@@ -1003,6 +1017,7 @@ class WorkerHalf:
                     self._finish(err.request_id, err)
         if self.cfg.mode == "push":
             self._match_pushes()
+        self._on_lost_controls()
         self._verify_progress()
         for rid, expired in self.leases.take_due():
             if expired:
@@ -1053,6 +1068,11 @@ class WorkerHalf:
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         t0 = time.perf_counter()
         self._progress()
+        if self._release_only:  # their releases were sent (or failed): vLLM has nothing to hear of them
+            gone = self._release_only & (self.finished_recving | self.failed_recving)
+            self.finished_recving -= gone
+            self.failed_recving -= gone
+            self._release_only -= gone
         out = (self.finished_sending, self.finished_recving, self.failed_recving)
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
         self.stats.add_time("worker_s", time.perf_counter() - t0)
@@ -1072,7 +1092,7 @@ class WorkerHalf:
         if self.poster is not None:
             self.poster.close()
         self._handshakes.shutdown()
-        self._control_pool.shutdown(wait=True, cancel_futures=True)  # the one being sent has a deadline
+        self.controls.shutdown()  # the messages being sent have their deadlines
         self.links.clear()
         if self.server is not None:
             self.server.close()
