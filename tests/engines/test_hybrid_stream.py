@@ -1,7 +1,8 @@
 """Streaming push (#21) in real engines: the Qwen3-Next-shaped hybrid (GDN linear attention + full attention),
 hybrid-kv push with the router sending each request to the decode and the prefill at once (``route_concurrent``,
 one fresh capability per request), with streaming on (``hybrid-kv-push-stream``) and off
-(``hybrid-kv-push-nostream``: the same routing, every request pushed whole after its prefill).
+(``hybrid-kv-push-nostream``: the same routing, every request pushed whole after its prefill; a control pair,
+started with ``HYBRID_KV_ENGINE_CONTROLS=1``).
 
 - tokens and logprobs equal the single engine computing the same split (``test_hybrid.py``'s reference: the
   prefill runs chunked prefill with ``--max-num-batched-tokens CHUNK``, so prompts of ``k*CHUNK + 1`` tokens
@@ -28,7 +29,7 @@ import pytest
 from conftest import RESULTS, RUNNING
 from engine import EngineError
 from faulty_connector import FAIL_MARK
-from pd import PdPair, max_delta, pair_fixture_body, prompt
+from pd import PdPair, connectors, max_delta, pair_fixture_body, prompt
 from proxy import route_concurrent
 from test_hybrid import CHUNK, ENGINE_ARGS, LENGTHS, LOGPROB_TOL, MAX_TOKENS, MODEL, PREFILL_ARGS
 
@@ -37,7 +38,7 @@ TTFT_REQUESTS = 4
 STREAMED = "vllm:hybrid_kv_num_streamed_requests_total"  # Prometheus counters end in _total
 
 
-@pytest.fixture(scope="module", params=["hybrid-kv-push-stream", "hybrid-kv-push-nostream"])
+@pytest.fixture(scope="module", params=connectors("hybrid-kv-push-stream", "hybrid-kv-push-nostream"))
 def pair(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> Iterator[PdPair]:
     yield from pair_fixture_body(
         MODEL, request.param, models_root, logs_root, RUNNING, extra_args=ENGINE_ARGS, prefill_args=PREFILL_ARGS
