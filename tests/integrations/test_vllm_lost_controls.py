@@ -51,6 +51,7 @@ def test_an_ask_whose_ack_was_lost_is_sent_again_and_the_request_lands(model_dir
         assert relay.accepted >= 3  # the handshake, the lost attempt, the one acknowledged (then the release)
         assert d.counter("num_lost_controls") == 0 and d.counter("num_verified_transfers") == 1
         assert d.counter("num_digest_mismatches") == 0
+        assert p.counter("num_expired_leases") == 0  # the release came through the relay too
         verify_moved(p, d, [(0, params)])  # every byte landed, nothing else changed, the prefill freed its blocks
     finally:
         relay.close()
