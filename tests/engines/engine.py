@@ -88,22 +88,20 @@ def where_they_stood(stacks: str) -> list[str]:
     """One line per process of ``Engine.stacks`` output: its name and its main thread's innermost frames (or,
     where py-spy could not stop it, its first thread's kernel state), plus every hybrid-kv thread not idle."""
     out = []
-    for block in stacks.split("\n--- pid ")[0:]:
-        block = block.removeprefix("--- pid ")
-        head, _, body = block.partition("\n")
+    for block in stacks.split("\n--- pid "):
+        head, _, body = block.removeprefix("--- pid ").partition("\n")
         pid = head.split(":")[0].strip()
         if "py-spy gave no dump" in head:
-            task = body.strip().splitlines()[0].strip() if body.strip() else "(no /proc entry)"
-            out.append(f"pid {pid}: no py-spy dump; {task}")
+            out.append(f"pid {pid}: no py-spy dump; {(body.strip().splitlines() or ['(no /proc entry)'])[0].strip()}")
             continue
         name = pid
         threads: list[tuple[str, list[str]]] = []
         for line in body.splitlines():
             if line.startswith("Process "):
-                cmd = line.split(":", 1)[1].strip()
-                name = f"{pid} {cmd.split()[0].rsplit('/', 1)[-1] if cmd.startswith('/') else cmd.split()[0]}"
-                if "-m" in cmd.split()[:3]:
-                    name += " -m " + cmd.split()[cmd.split().index("-m") + 1]
+                argv = line.split(":", 1)[1].split()
+                name = f"{pid} {argv[0].rsplit('/', 1)[-1]}"
+                if "-m" in argv[:3]:
+                    name += " -m " + argv[argv.index("-m") + 1]
             elif line.startswith("Thread "):
                 threads.append((line, []))
             elif line.startswith("    ") and threads:
@@ -208,12 +206,15 @@ class Engine:
         log.close()
         return self
 
-    def tail(self, lines: int = 60) -> str:
+    def _log_lines(self) -> list[str] | None:
         try:
-            text = self.log_path.read_text(errors="replace").splitlines()
+            return self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+            return None
+
+    def tail(self, lines: int = 60) -> str:
+        text = self._log_lines()
+        return "(no log)" if text is None else "\n".join(text[-lines:])
 
     def stacks(self, timeout_s: float = 20.0) -> str:
         """The Python stacks of every live process of the engine's group (API server, EngineCore, workers, side
@@ -234,11 +235,7 @@ class Engine:
 
     def warnings(self, most: int = 8) -> list[str]:
         """hybrid-kv's last warnings and errors in the engine's log."""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        hits = [ln for ln in text if "hybrid-kv" in ln and (" WARNING " in ln or " ERROR " in ln)]
+        hits = [ln for ln in self._log_lines() or [] if "hybrid-kv" in ln and (" WARNING " in ln or " ERROR " in ln)]
         return [ln[:300] for ln in hits[-most:]]
 
     def fail(self, what: str) -> EngineError:

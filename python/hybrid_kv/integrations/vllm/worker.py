@@ -568,8 +568,13 @@ class WorkerHalf:
             check = self._pull_check(link, wait["transfers"], wait["answers"], wait["algo"])
             self._post_pull(req, link, wait["transfers"], wait["releases"], check)
         except Exception as exc:  # noqa: BLE001 - report, never crash a step
-            self._job_failed(req, str(exc))
-            self._send_controls(link.ep, wait["releases"])
+            self._verify_failed(wait, str(exc))
+
+    def _verify_failed(self, wait: dict[str, Any], reason: str) -> None:
+        """A pull request that will not be read (its digests are missing or unusable): it fails, and its prefill
+        ranks are told to free its blocks."""
+        self._job_failed(wait["req"], reason)
+        self._send_controls(wait["link"].ep, wait["releases"])
 
     def _pull_check(
         self, link: PeerLink, transfers: list[Transfer], answers: dict[int, tuple[int | None, str]], algo: str
@@ -660,8 +665,7 @@ class WorkerHalf:
             if now >= wait["deadline"]:
                 del self.verify_wait[rid]
                 missing = sorted(set(wait["names"].values()) - set(wait["answers"]))
-                self._job_failed(wait["req"], f"no digest from prefill ranks {missing} within the transfer timeout")
-                self._send_controls(wait["link"].ep, wait["releases"])
+                self._verify_failed(wait, f"no digest from prefill ranks {missing} within the transfer timeout")
 
     def _send_controls(self, ep: Endpoint, messages: list[tuple[str, bytes, str]], waiting: str | None = None) -> None:
         """Queue control messages (``(address, payload, the endpoint meant)``) for delivery off the step
@@ -680,12 +684,15 @@ class WorkerHalf:
                 continue
             wait = self.verify_wait.pop(rid, None)
             if wait is not None:
-                self._job_failed(wait["req"], why)
-                self._send_controls(wait["link"].ep, wait["releases"])
+                self._verify_failed(wait, why)
             wait = self.push_wait.pop(rid, None)
             if wait is not None:
-                log.error("hybrid-kv %s: request %s cannot load: %s", self.name, rid, why)
-                self._recv_failed(rid, wait["ids"], None)
+                self._push_failed(rid, wait, why)
+
+    def _push_failed(self, rid: str, wait: dict[str, Any], reason: str) -> None:
+        """A push request whose writers will not write (``push_wait`` entry ``wait``, already removed) fails."""
+        log.error("hybrid-kv %s: request %s cannot load: %s", self.name, rid, reason)
+        self._recv_failed(rid, wait["ids"], None)
 
     # ------------------------------------------------------------------ push
 
@@ -1028,8 +1035,7 @@ class WorkerHalf:
         for rid, wait in list(self.push_wait.items()):
             if now >= wait["deadline"]:
                 del self.push_wait[rid]
-                log.error("hybrid-kv %s: no push for %s within the registration timeout", self.name, rid)
-                self._recv_failed(rid, wait["ids"], None)
+                self._push_failed(rid, wait, "no push within the registration timeout")
 
     def _finish(self, key: str, err: TransferError | None) -> None:
         job = self.inflight.pop(key, None)
