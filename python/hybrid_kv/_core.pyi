@@ -104,6 +104,10 @@ def encode_meta(meta: Mapping[str, Any]) -> bytes:
 def decode_meta(data: bytes) -> dict[str, Any]:
     """Decode a peer's untrusted wire bytes into a metadata dict; raises ``HandshakeError``."""
 
+def msgpack_prescan(data: bytes, *, max_bytes: int, max_len: int, max_str: int, max_depth: int) -> None:
+    """Check that untrusted ``data`` is exactly one msgpack value within the bounds (no recursion, no allocation
+    beyond ``max_depth``); raises ``HandshakeError`` naming the byte offset and the bound."""
+
 def meta_fingerprint(data: bytes) -> str:
     """Hex SHA-256 of the TP-invariant region geometry of wire bytes."""
 

@@ -3,7 +3,7 @@ report (:mod:`hybrid_kv.preflight`) checks before it sizes anything. Each mirror
 
 from __future__ import annotations
 
-__all__ = ["MAX_BLOCK_TOKENS", "MAX_NUM_BLOCKS", "MAX_TP_SIZE"]
+__all__ = ["MAX_BLOCK_TOKENS", "MAX_GROUPS", "MAX_NUM_BLOCKS", "MAX_TP_SIZE"]
 
 MAX_TP_SIZE = 1024
 """Largest TP size (``MAX_TP_SIZE`` in ``rust/core/tp.rs``; TP mappings allocate per rank)."""
@@ -11,3 +11,6 @@ MAX_NUM_BLOCKS = 2**31 - 1
 """Most logical blocks in a pool: descriptor ids are int32 (``MAX_NUM_BLOCKS`` in ``rust/core/scenario/bounds.rs``)."""
 MAX_BLOCK_TOKENS = 2**20
 """Largest logical or kernel block in tokens (``MAX_BLOCK_TOKENS`` in ``rust/core/scenario/bounds.rs``)."""
+MAX_GROUPS = 64
+"""Most KV-cache groups (``MAX_GROUPS`` in ``rust/core/handshake/wellformed.rs``): a ticket, a registration or a
+claim naming more is refused."""

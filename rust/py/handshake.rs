@@ -147,3 +147,27 @@ pub fn validate_handshake(
         Err(Error::from(hs::HandshakeError::Incompatible(found)).into())
     }
 }
+
+/// Check that untrusted `data` holds exactly one msgpack value within the given bounds, before any decoder
+/// allocates or recurses (it walks the bytes once, iteratively, allocating nothing beyond `max_depth`).
+///
+/// Args:
+///     data (bytes): the untrusted bytes.
+///     max_bytes (int): largest input accepted.
+///     max_len (int): most elements of one array (or entries of one map).
+///     max_str (int): longest string (binary values are bounded by the input only).
+///     max_depth (int): deepest container nesting.
+/// Raises:
+///     HandshakeError: over a bound, truncated, trailing bytes, or an unknown or extension marker (the message
+///         names the byte offset and the bound).
+#[pyfunction]
+#[pyo3(signature = (data, *, max_bytes, max_len, max_str, max_depth))]
+pub fn msgpack_prescan(data: &[u8], max_bytes: usize, max_len: u64, max_str: u64, max_depth: usize) -> PyResult<()> {
+    let limits = hs::ScanLimits {
+        max_bytes,
+        max_len,
+        max_str,
+        max_depth,
+    };
+    Ok(no_panic(Kind::Handshake, || Ok(hs::prescan_within(data, &limits)?))?)
+}

@@ -61,7 +61,8 @@ mod _core {
 
     #[pymodule_export]
     use super::handshake::{
-        compat_hash, decode_meta, encode_meta, handshake_findings, meta_fingerprint, validate_handshake,
+        compat_hash, decode_meta, encode_meta, handshake_findings, meta_fingerprint, msgpack_prescan,
+        validate_handshake,
     };
 
     #[pymodule_init]

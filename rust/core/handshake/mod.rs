@@ -23,7 +23,7 @@ pub use codec::{decode, encode};
 pub use error::{Finding, HandshakeError};
 pub use fingerprint::{compat_hash, compat_hash_for, fingerprint, GeometryKey, ModelFactors, Ratio};
 pub use pairs::{check_pairs, PairVerdict};
-pub use scan::{prescan, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
+pub use scan::{prescan, prescan_within, ScanLimits, HANDSHAKE_LIMITS, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};
 pub use validate::{findings, validate, validate_expected, Expected, HEAD_CONTIGUOUS_LAYOUTS};
 pub use wellformed::{
     check_well_formed, placement_findings, structure_findings, MAX_GROUPS, MAX_KERNEL_BLOCKS, MAX_REGIONS,

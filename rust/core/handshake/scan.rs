@@ -17,6 +17,27 @@ pub const MAX_STR: u64 = 4096;
 /// Deepest container nesting.
 pub const MAX_DEPTH: usize = 16;
 
+/// The bounds a pre-scan enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanLimits {
+    /// Largest input (bytes).
+    pub max_bytes: usize,
+    /// Most elements in one array or entries in one map.
+    pub max_len: u64,
+    /// Longest string (bytes; binary values are bounded only by the input).
+    pub max_str: u64,
+    /// Deepest container nesting.
+    pub max_depth: usize,
+}
+
+/// The limits of handshake metadata ([`prescan`]).
+pub const HANDSHAKE_LIMITS: ScanLimits = ScanLimits {
+    max_bytes: MAX_PAYLOAD,
+    max_len: MAX_LEN,
+    max_str: MAX_STR,
+    max_depth: MAX_DEPTH,
+};
+
 fn malformed(msg: String) -> HandshakeError {
     HandshakeError::Malformed(msg)
 }
@@ -76,24 +97,38 @@ fn head(buf: &[u8], pos: usize) -> Result<Head, HandshakeError> {
     })
 }
 
-/// Check that `buf` holds exactly one msgpack value within the limits.
+/// Check that `buf` holds exactly one msgpack value within the handshake limits ([`HANDSHAKE_LIMITS`]).
+///
+/// # Errors
+/// As [`prescan_within`].
+pub fn prescan(buf: &[u8]) -> Result<(), HandshakeError> {
+    prescan_within(buf, &HANDSHAKE_LIMITS)
+}
+
+/// Check that `buf` holds exactly one msgpack value within `limits`.
 ///
 /// # Errors
 /// [`HandshakeError::TooLarge`] for an oversized payload; [`HandshakeError::Malformed`] naming the byte
 /// offset for truncation, trailing bytes, unknown markers, extension types, excessive nesting, or a length
 /// over a limit or over the bytes left.
-pub fn prescan(buf: &[u8]) -> Result<(), HandshakeError> {
-    if buf.len() > MAX_PAYLOAD {
+pub fn prescan_within(buf: &[u8], limits: &ScanLimits) -> Result<(), HandshakeError> {
+    let ScanLimits {
+        max_bytes,
+        max_len,
+        max_str,
+        max_depth,
+    } = *limits;
+    if buf.len() > max_bytes {
         return Err(HandshakeError::TooLarge {
             size: buf.len(),
-            max: MAX_PAYLOAD,
+            max: max_bytes,
         });
     }
     if buf.is_empty() {
         return Err(malformed("empty payload".into()));
     }
     // Values still to read at each open nesting level.
-    let mut stack: Vec<u64> = Vec::with_capacity(MAX_DEPTH + 1);
+    let mut stack: Vec<u64> = Vec::with_capacity(max_depth.min(64) + 1);
     stack.push(1);
     let mut pos = 0usize;
     while let Some(top) = stack.last_mut() {
@@ -107,9 +142,9 @@ pub fn prescan(buf: &[u8]) -> Result<(), HandshakeError> {
         }
         let head = head(buf, pos)?;
         let left = (buf.len() - pos - head.header) as u64; // read_len proved the header is present
-        if head.kind == "string" && head.payload > MAX_STR {
+        if head.kind == "string" && head.payload > max_str {
             return Err(malformed(format!(
-                "byte {pos}: string of {} bytes exceeds {MAX_STR}",
+                "byte {pos}: string of {} bytes exceeds {max_str}",
                 head.payload
             )));
         }
@@ -125,9 +160,9 @@ pub fn prescan(buf: &[u8]) -> Result<(), HandshakeError> {
             } else {
                 head.children
             };
-            if entries > MAX_LEN {
+            if entries > max_len {
                 return Err(malformed(format!(
-                    "byte {pos}: {} of {entries} entries exceeds {MAX_LEN}",
+                    "byte {pos}: {} of {entries} entries exceeds {max_len}",
                     head.kind
                 )));
             }
@@ -137,8 +172,8 @@ pub fn prescan(buf: &[u8]) -> Result<(), HandshakeError> {
                     head.kind
                 )));
             }
-            if stack.len() > MAX_DEPTH {
-                return Err(malformed(format!("byte {pos}: nesting deeper than {MAX_DEPTH}")));
+            if stack.len() > max_depth {
+                return Err(malformed(format!("byte {pos}: nesting deeper than {max_depth}")));
             }
             stack.push(head.children);
         }
@@ -182,5 +217,34 @@ mod tests {
         assert!(err(&long).contains("string of 8192 bytes"));
         let big = vec![0u8; MAX_PAYLOAD + 1];
         assert!(matches!(prescan(&big), Err(HandshakeError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn limits_are_the_callers() {
+        let tight = ScanLimits {
+            max_bytes: 64,
+            max_len: 2,
+            max_str: 3,
+            max_depth: 2,
+        };
+        let err = |b: &[u8]| prescan_within(b, &tight).unwrap_err().to_string();
+        assert!(prescan_within(&[0x92, 0x91, 0x01, 0xa3, b'a', b'b', b'c'], &tight).is_ok());
+        assert!(err(&[0x93, 0x01, 0x01, 0x01]).contains("3 entries exceeds 2"));
+        assert!(err(&[0xa4, b'a', b'b', b'c', b'd']).contains("string of 4 bytes exceeds 3"));
+        assert!(err(&[0x91, 0x91, 0x91, 0x01]).contains("nesting deeper than 2"));
+        assert!(matches!(
+            prescan_within(&[0u8; 65], &tight),
+            Err(HandshakeError::TooLarge { size: 65, max: 64 })
+        ));
+        // a map nested a thousand deep under one key, as a hostile control message carries it: refused, no recursion
+        let mut deep = vec![0x81u8, 0xa1, b'k'];
+        for _ in 0..1000 {
+            deep.extend([0x81, 0xa1, b'k']);
+        }
+        deep.push(0xc0);
+        assert!(prescan_within(&deep, &HANDSHAKE_LIMITS)
+            .unwrap_err()
+            .to_string()
+            .contains("nesting deeper than 16"));
     }
 }
