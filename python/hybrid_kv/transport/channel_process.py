@@ -10,7 +10,9 @@ control messages to the owner over a local ZeroMQ ``PUSH``/``PULL`` pipe, which 
 ``poll()`` without a thread of its own. ``benches/side_channel_starvation.py`` measures the difference.
 
 The child gets its configuration, the deployment secret included, on its stdin (never in its arguments or
-environment) and exits when that pipe closes, i.e. when the owner closes it or dies.
+environment) and exits when that pipe closes, i.e. when the owner closes it or dies. A child that dies on its own
+(killed, out of memory) is noticed by the owner's next ``poll()`` (``restarted``): it is logged and a new child is
+started in the background on the same address and pipe, tried again every ``RESTART_PAUSE_S`` until one binds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +38,8 @@ log = logging.getLogger("hybrid_kv.transport")
 
 START_TIMEOUT_S = 60.0
 """How long the child may take to start and bind (a Python start-up on a loaded machine)."""
+RESTART_PAUSE_S = 1.0
+"""Least time between two attempts to restart a dead child."""
 
 
 class SideChannelProcess:
@@ -69,7 +74,7 @@ class SideChannelProcess:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, max(1, max_queued // 2))
         self._pull.bind(pipe)
-        config = {
+        self._config = {
             "address": address,
             "name": name,
             "key": key.hex() if key is not None else None,
@@ -78,30 +83,84 @@ class SideChannelProcess:
             "pipe": pipe,
             "max_queued": max(1, max_queued - max_queued // 2),
         }
+        self.name = name
+        self._closed = False
+        self._lock = threading.Lock()
+        self._restarter: threading.Thread | None = None
+        self._next_try = 0.0
+        self._restarts = 0  # children started after the first, not yet reported by ``restarted``
+        try:
+            self._proc, self.address = self._spawn()
+            self._config["address"] = self.address  # a restarted child binds the same port
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], str]:
+        """Start a child with this server's configuration; ``(process, bound address)``."""
         env = {k: v for k, v in os.environ.items() if k != "HYBRID_KV_SECRET"}
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "hybrid_kv.transport.channel_process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
             close_fds=True,
         )
-        self._closed = False
         try:
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            self._proc.stdin.write((json.dumps(config) + "\n").encode())
-            self._proc.stdin.flush()
-            line = _read_line(self._proc.stdout, START_TIMEOUT_S)
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write((json.dumps(self._config) + "\n").encode())
+            proc.stdin.flush()
+            line = _read_line(proc.stdout, START_TIMEOUT_S)
             if line is None:
-                raise ChannelError(f"side-channel process for {name!r} did not start within {START_TIMEOUT_S:g} s")
+                raise ChannelError(f"side-channel process for {self.name!r} did not start within {START_TIMEOUT_S:g} s")
             status = json.loads(line)
             if "error" in status:
-                raise ChannelError(f"side-channel process for {name!r}: {status['error']}")
-            self.address: str = status["address"]
-            self.pid = self._proc.pid
+                raise ChannelError(f"side-channel process for {self.name!r}: {status['error']}")
+            return proc, str(status["address"])
         except BaseException:
-            self.close()
+            _stop(proc, 2.0)
             raise
+
+    def restarted(self) -> int:
+        """Check the child (never blocks): a dead one is logged and restarted in the background. Returns how many
+        children were started since the last call to replace dead ones."""
+        with self._lock:
+            if self._closed:
+                return 0
+            done, self._restarts = self._restarts, 0
+            busy = self._restarter is not None and self._restarter.is_alive()
+            if busy or self._proc.poll() is None or time.monotonic() < self._next_try:
+                return done
+            log.error(
+                "side channel %s of %r: its process (pid %d) died with status %s; starting a new one",
+                self.address,
+                self.name,
+                self._proc.pid,
+                self._proc.returncode,
+            )
+            self._next_try = time.monotonic() + RESTART_PAUSE_S
+            self._restarter = threading.Thread(target=self._restart, name="hkv-sc-restart", daemon=True)
+            self._restarter.start()
+            return done
+
+    def _restart(self) -> None:
+        try:
+            proc, _ = self._spawn()
+        except Exception as exc:  # noqa: BLE001 - tried again at the next check (the port may still be held)
+            log.error("side channel %s of %r: restarting its process failed: %s", self.address, self.name, exc)
+            return
+        with self._lock:
+            if self._closed:
+                _stop(proc, 2.0)
+                return
+            old, self._proc = self._proc, proc
+            self._restarts += 1
+        _stop(old, 0.1)
+        log.warning("side channel %s of %r: serving again (pid %d)", self.address, self.name, proc.pid)
 
     def take_controls(self, limit: int) -> list[tuple[str, bytes]]:
         """Up to ``limit`` control messages ``(sender, payload)`` forwarded since the last call (never blocks)."""
@@ -122,18 +181,16 @@ class SideChannelProcess:
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the child (closing its stdin ends it; killed if it does not) and the pipe (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._proc.stdin is not None:
-                self._proc.stdin.close()
-            self._proc.wait(timeout_s)
-        except (OSError, subprocess.TimeoutExpired):
-            self._proc.kill()
-            self._proc.wait(timeout_s)
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            restarter = self._restarter
+        if restarter is not None:
+            restarter.join(START_TIMEOUT_S)
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            _stop(proc, timeout_s)
         self._ctx.destroy(linger=0)
         try:
             os.unlink(os.path.join(self._dir, "controls"))
@@ -143,6 +200,19 @@ class SideChannelProcess:
             os.rmdir(self._dir)
         except OSError:
             pass
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """End a child: close its stdin (it exits), kill it if it does not within ``timeout_s``."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait(timeout_s)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _read_line(stream: Any, timeout_s: float) -> bytes | None:

@@ -41,7 +41,8 @@ from . import netif
 from .agent import CALL_ERRORS, Agent, log
 from .auth import resolve_secret
 from .channel_process import SideChannelProcess
-from .errors import HandshakeError, TransferError
+from .courier import Courier
+from .errors import HandshakeError, TransferError, check_seconds
 from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peer, Peers
@@ -150,6 +151,7 @@ class Endpoint:
         self._server: SideChannelServer | SideChannelProcess | None = None
         self._controls: collections.deque[ControlMessage] = collections.deque()
         self._controls_overflowed = False  # the current overflow was logged
+        self._courier: Courier | None = None
         self._closed = False
         self._lock = threading.RLock()  # held by every method that calls into the agent (see the module doc)
 
@@ -197,6 +199,11 @@ class Endpoint:
         return self._server.address
 
     @property
+    def metadata(self) -> bytes:
+        """This endpoint's NIXL agent metadata (what peers load; new with every process)."""
+        return bytes(self._agent.metadata)
+
+    @property
     def huge_pages(self) -> HugePageReport | None:
         """What advising the registered regions to huge pages did (``None``: ``"off"``, or not ``DRAM``)."""
         return self._agent.huge_pages
@@ -231,6 +238,8 @@ class Endpoint:
             return
         self._closed = True
         self._stop.set()
+        if self._courier is not None:
+            self._courier.close()
         if self._server is not None:
             self._server.close()
         self._requests.fail_all("endpoint closed")
@@ -328,6 +337,7 @@ class Endpoint:
         tables are stale once the remote agent is removed).
         """
         self._check_open()
+        timeout_s = check_seconds(timeout_s, "timeout_s")
         if local_scope is not None and local_scope not in self._agent.scopes:
             raise ValueError(f"endpoint {self.name!r}: unknown local table scope {local_scope!r}")
         old = self._peers.pop(peer)
@@ -423,6 +433,20 @@ class Endpoint:
         holder = self._peers.holder(agent_name)
         return None if holder is None else holder.key
 
+    @property
+    def courier(self) -> Courier:
+        """This endpoint's ``Courier``: control messages delivered off the caller's thread, in order per destination,
+        each with a deadline (started on first use, closed with the endpoint).
+
+        Raises:
+            TransferError: the endpoint is closed.
+        """
+        self._check_open()
+        with self._lock:
+            if self._courier is None:
+                self._courier = Courier(self._ctx, self.name, self._key)
+            return self._courier
+
     def send_control(
         self,
         address: str,
@@ -448,6 +472,7 @@ class Endpoint:
                 from the peer (e.g. its control queue is full).
         """
         self._check_open()
+        timeout_s = check_seconds(timeout_s, "timeout_s")
         if not 1 <= attempts <= MAX_CONTROL_ATTEMPTS:
             raise ValueError(f"attempts must be 1 to {MAX_CONTROL_ATTEMPTS}, got {attempts}")
         unit = timeout_s / (2**attempts - 1)
@@ -506,6 +531,7 @@ class Endpoint:
                 are not one non-negative index per transfer.
         """
         self._check_open()
+        deadline_s = check_seconds(deadline_s, "deadline_s")
         return self._requests.post(request_id, transfers, op, deadline_s, digests, check, stages)
 
     @_locked
@@ -556,6 +582,7 @@ class Endpoint:
         it at once (reported by the next ``poll()``).
         """
         self._check_open()
+        deadline_s = check_seconds(deadline_s, "deadline_s")
         self._requests.ensure_new(request_id)
         names = None if writers is None else frozenset(writers)
         if names is None:
@@ -580,6 +607,7 @@ class Endpoint:
 
     def _progress(self) -> None:
         if isinstance(self._server, SideChannelProcess):
+            self._requests.events.side_channel_restarted += self._server.restarted()
             for sender, payload in self._server.take_controls(MAX_QUEUED_CONTROLS):
                 self._requests.events.control.append(ControlMessage(sender, payload))
         while self._controls:

@@ -12,7 +12,10 @@ from typing import Any
 from .._core import HandshakeError
 from .._core import TransferError as _CoreTransferError
 
-__all__ = ["HandshakeError", "TransferError"]
+__all__ = ["HandshakeError", "TransferError", "check_seconds"]
+
+MAX_SECONDS = 1e7
+"""The longest timeout or deadline accepted (about 116 days): anything longer is a mistake, not a wait."""
 
 
 class TransferError(_CoreTransferError):
@@ -35,3 +38,18 @@ class TransferError(_CoreTransferError):
 
 def _rebuild(cls: type[TransferError], message: str, request_id: str | None, failed: tuple[Any, ...]) -> TransferError:
     return cls(message, request_id=request_id, failed=failed)
+
+
+def check_seconds(value: object, what: str) -> float:
+    """``value`` as a number of seconds: finite, positive and at most ``MAX_SECONDS``.
+
+    Raises:
+        ValueError: anything else (NaN, infinities, zero, negative, not a number), naming ``what`` and the value.
+    """
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, got {value!r}") from None
+    if not 0 < seconds <= MAX_SECONDS:  # NaN fails every comparison
+        raise ValueError(f"{what} must be finite, positive and at most {MAX_SECONDS:g} s, got {value!r}")
+    return seconds

@@ -169,6 +169,8 @@ class PollResult:
         remote_failed: requests of other endpoints that reported failure.
         control: control messages received on the side channel.
         notifs: NIXL notifications that are not hybrid-kv's, as ``(sender, message)``.
+        side_channel_restarted: side-channel processes started to replace one that died (``side_channel=
+            "process"``; a dead one is logged and replaced in the background, on the same address).
     """
 
     done: list[str] = field(default_factory=list)
@@ -177,6 +179,7 @@ class PollResult:
     remote_failed: list[RemoteEvent] = field(default_factory=list)
     control: list[ControlMessage] = field(default_factory=list)
     notifs: list[tuple[str, bytes]] = field(default_factory=list)
+    side_channel_restarted: int = 0
 
     def __bool__(self) -> bool:
         return any((self.done, self.failed, self.remote_done, self.remote_failed, self.control, self.notifs))

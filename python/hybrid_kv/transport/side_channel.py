@@ -463,6 +463,88 @@ def _encode_name(name: str, what: str) -> bytes:
     return raw
 
 
+def open_client(
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str, keys: curve.CurveKeys | None, *, refusals: bool = False
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A fresh client connection to ``address``: a DEALER (CURVE client when ``keys``) and the monitor that reports
+    a failed handshake at once (``refusals``: also each refused or failed connection attempt, ZeroMQ's
+    ``EVENT_CONNECT_RETRIED``). The caller closes both (``close_client``)."""
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
+        if keys is not None:
+            curve.make_client(sock, keys)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | (zmq.EVENT_CONNECT_RETRIED if refusals else 0))
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    try:
+        sock.connect(address)
+    except BaseException:
+        close_client(sock, monitor)
+        raise
+    return sock, monitor
+
+
+def close_client(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
+    """Close a connection made by ``open_client`` (never raises)."""
+    try:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+    except zmq.ZMQError:
+        pass
+    sock.close(linger=0)
+
+
+def control_frames(request_id: bytes, sender: str, payload: bytes, to: str | None) -> list[bytes]:
+    """The frames of one control request (payload and names checked against their limits; raises
+    ``ChannelError``)."""
+    if len(payload) > MAX_CONTROL_BYTES:
+        raise ChannelError(f"control payload of {len(payload)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
+    return request_frames(_CTRL, request_id, sender, payload, to)
+
+
+def request_frames(kind: bytes, request_id: bytes, sender: str, arg: bytes, to: str | None) -> list[bytes]:
+    """The frames of one request (names checked against ``MAX_NAME_BYTES``; raises ``ChannelError``)."""
+    sender_b = _encode_name(sender, "endpoint name")
+    to_b = _encode_name(to, "destination name") if to is not None else b""
+    return [PROTOCOL, kind, request_id, to_b, sender_b, arg]
+
+
+def handshake_failed(monitor: zmq.Socket[bytes], address: str, *, keyed: bool) -> ChannelError | None:
+    """The error for the failed-handshake event waiting on ``monitor`` (``open_client``'s); ``None`` when the event
+    was a refused connection attempt (``refusals``)."""
+    event = parse_monitor_message(monitor.recv_multipart())
+    if event["event"] == zmq.EVENT_CONNECT_RETRIED:
+        return None
+    why = _handshake_failure(event["event"], int(event["value"]), keyed=keyed)
+    return ChannelError(f"peer at {address} failed authentication: {why}")
+
+
+def reply_request_id(reply: list[bytes]) -> bytes | None:
+    """The request id a reply echoes, or ``None`` when it is not a reply of this protocol."""
+    return reply[1] if len(reply) >= 4 and reply[0] == PROTOCOL else None
+
+
+def parse_reply(address: str, reply: list[bytes], request_id: bytes, to: str | None) -> tuple[str, list[bytes]]:
+    """``(server name, body)`` of ``reply`` to request ``request_id``; raises ``ChannelError`` for a reply of
+    another protocol or request, an error answer, or a server that is not ``to``."""
+    if not reply or reply[0] != PROTOCOL:
+        seen = reply[0][:32] if reply else b""
+        raise ChannelError(f"incompatible side-channel protocol from {address}: {seen!r}, expected {PROTOCOL!r}")
+    if len(reply) < 4 or reply[1] != request_id:
+        raise ChannelError(f"malformed reply from {address}: {len(reply)} frames, or another request's id")
+    name = _server_name(address, reply[3])
+    if reply[2] != _OK:
+        reason = reply[4][:MAX_REASON_BYTES].decode("utf-8", "replace") if len(reply) > 4 else "(none)"
+        raise ChannelError(f"peer at {address} answered with an error: {reason}")
+    if to is not None and name != to:
+        raise ChannelError(f"peer at {address} answered as {name!r}, expected {to!r}")
+    return name, reply[4:]
+
+
 def _call(
     ctx: zmq.Context[zmq.Socket[bytes]],
     address: str,
@@ -475,24 +557,18 @@ def _call(
     to: str | None,
 ) -> tuple[str, list[bytes]]:
     """One request and its reply over a fresh connection: ``(server name, body)``."""
-    sender_b = _encode_name(sender, "endpoint name")
-    to_b = _encode_name(to, "destination name") if to is not None else b""
+    request_id = os.urandom(REQUEST_ID_BYTES)
+    frames = request_frames(kind, request_id, sender, arg, to)
     try:
         keys = curve.derive_keys(key) if key is not None else None
     except ValueError as exc:
         raise ChannelError(str(exc)) from None
     deadline = time.monotonic() + timeout_s
-    request_id = os.urandom(REQUEST_ID_BYTES)
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] | None = None
     monitor: zmq.Socket[bytes] | None = None
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
-        if keys is not None:
-            curve.make_client(sock, keys)
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
-        sock.connect(address)
-        sock.send_multipart([PROTOCOL, kind, request_id, to_b, sender_b, arg], zmq.NOBLOCK)
+        sock, monitor = open_client(ctx, address, keys)
+        sock.send_multipart(frames, zmq.NOBLOCK)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -504,29 +580,13 @@ def _call(
                 raise ChannelError("side-channel call cancelled: endpoint closing")
             ready = dict(poller.poll(min(left_ms, _TICK_MS)))
             if monitor in ready:
-                event = parse_monitor_message(monitor.recv_multipart())
-                why = _handshake_failure(event["event"], int(event["value"]), keyed=keys is not None)
-                raise ChannelError(f"peer at {address} failed authentication: {why}")
-            if sock not in ready:
-                continue
-            reply = sock.recv_multipart()
-            if reply[0] != PROTOCOL:
-                raise ChannelError(
-                    f"incompatible side-channel protocol from {address}: {reply[0][:32]!r}, expected {PROTOCOL!r}"
-                )
-            if len(reply) < 4 or reply[1] != request_id:
-                raise ChannelError(f"malformed reply from {address}: {len(reply)} frames, or another request's id")
-            name = _server_name(address, reply[3])
-            if reply[2] != _OK:
-                reason = reply[4][:MAX_REASON_BYTES].decode("utf-8", "replace") if len(reply) > 4 else "(none)"
-                raise ChannelError(f"peer at {address} answered with an error: {reason}")
-            if to is not None and name != to:
-                raise ChannelError(f"peer at {address} answered as {name!r}, expected {to!r}")
-            return name, reply[4:]
+                err = handshake_failed(monitor, address, keyed=keys is not None)
+                if err is not None:
+                    raise err
+            if sock in ready:
+                return parse_reply(address, sock.recv_multipart(), request_id, to)
     except zmq.ZMQError as exc:
         raise ChannelError(f"side channel to {address} failed: {exc}") from exc
     finally:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        sock.close(linger=0)
+        if sock is not None:
+            close_client(sock, monitor)
