@@ -68,6 +68,13 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
         "comma-separated CIDRs (e.g. `10.0.0.0/8,fd00::/8`): a decode dials only ticket hosts inside them, a "
         "prefill pushes only to registered hosts inside them (default: any address)",
     ),
+    "peer_engines": (
+        "HYBRID_KV_PEER_ENGINES",
+        None,
+        "comma-separated `ENGINE_ID@HOST:PORT` (the engine id and the side channel of its TP rank 0): a decode "
+        "acts on a concurrent push (`hkv_stream`) only for a prefill engine listed here or named by a signed ticket "
+        "it verified before, so API clients cannot make it dial other addresses",
+    ),
     "push_registration_timeout_s": (
         "HYBRID_KV_PUSH_REGISTRATION_TIMEOUT_S",
         60.0,
@@ -134,6 +141,7 @@ class ConnectorConfig:
     lease_s: float
     lease_max_extension_s: float
     peer_networks: str | None
+    peer_engines: str | None
     push_registration_timeout_s: float
     stream: bool
     ucx_tls: str | None
@@ -194,7 +202,14 @@ class ConnectorConfig:
                         ipaddress.ip_network(item.strip(), strict=False)
                 except ValueError:
                     raise ConfigError(f"hybrid-kv setting 'peer_networks': {item.strip()!r} is not a CIDR") from None
-        from ...verify_policy import VerifyPolicy
+        if values["peer_engines"] is not None:
+            from .params import parse_engines
+
+            try:
+                parse_engines(str(values["peer_engines"]))
+            except ValueError as exc:
+                raise ConfigError(f"hybrid-kv setting 'peer_engines': {exc}") from None
+        from ..verify_policy import VerifyPolicy
 
         try:
             values["verify"] = str(VerifyPolicy.parse(values["verify"]))

@@ -14,20 +14,20 @@ Every message about a prefill request carries the ``grant`` of the ticket the pr
 - ``Renew`` (decode -> prefill): the decode is still connecting; keep the blocks until ``until`` (bounded by
   the ticket's ``max_expires_at``).
 - ``PushReg`` (decode -> prefill, push): write the request into these decode blocks of engine ``engine``
-  (sent by that engine's rank, which the prefill checks against the sender's name).
+  (sent by that engine's rank, which the prefill checks against the sender's name), never after ``until``
+  (wall clock): the decode stops waiting then and may reuse its blocks, so the prefill posts nothing for it
+  once too little of that is left, and its WRITEs' deadline ends before it. ``instance`` is the registering
+  rank's (``claims.instance_of``): a prefill linked to an older instance of that rank links again first.
 - ``StreamReg`` (decode -> prefill, concurrent push): as ``PushReg``, for a request the router sent to both
   engines at once: it names the prefill request by the router's capability ``cap`` (``params``), not by a
   ticket, which does not exist yet (the prefill acts on it only for the request of its own that carries the
-  same capability: ``leases.LeaseBook``), and says until when the decode waits (``until``: its blocks may be
-  reused after it, so the prefill's writes must end before it, whatever the prefill's queue). With ``verify``
-  the prefill does not stream: a digest must be of final bytes, so it pushes the request whole after its
-  forward, digests in its notices.
+  same capability: ``stream_regs``). With ``verify`` the prefill does not stream: a digest must be of final
+  bytes, so it pushes the request whole after its forward, digests in its notices.
 - ``PushPlan`` (prefill -> decode, push): whether this sender writes to the receiving rank (and, when the
   decode asked for verification, the sender's payload, from which the decode rebuilds its moves).
-- ``VerifyAsk`` (decode -> prefill, pull, ``verify``): digest your side of this request's moves with this
-  decode rank (rebuilt from its payload and block ids; the prefill's own ids are its lease's) and answer to
-  this rank's side channel; sent before the READ is posted.
-- ``VerifyAnswer`` (prefill -> decode): the digest (16 hex digits), or why there is none.
+- ``Claim`` / ``ClaimAnswers`` (pull, ``hybrid_kv.claims``): before any READ, the decode rank claims the
+  request's lease from each prefill rank it reads from (its grant, for its engine) and reads once each
+  confirmed; with ``verify`` the answer carries the prefill's digest.
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ from typing import Annotated
 
 import msgspec
 
-from ...limits import MAX_TP_SIZE
-from ...verify import MAX_PAYLOAD_BYTES, Algo
-from .tickets import GRANT_BYTES, BlockIdLists, Grant, Name, RequestId, WallTime
+from ..claims import TAG_FIELD, Claim, ClaimAnswers, Instance
+from ..transport.side_channel import MAX_CONTROL_BYTES
+from ..verify import MAX_PAYLOAD_BYTES
+from ..wire import GRANT_BYTES, BlockIdLists, Grant, Host, Limits, Name, Port, RequestId, TpSize, WallTime
+from ..wire import decode as decode_wire
 
 __all__ = [
     "CAP_BYTES",
     "Cap",
+    "Claim",
+    "ClaimAnswers",
     "Control",
     "ControlError",
     "PushPlan",
@@ -53,23 +57,16 @@ __all__ = [
     "Release",
     "Renew",
     "StreamReg",
-    "VerifyAnswer",
-    "VerifyAsk",
     "decode",
     "encode",
     "rank_of",
-    "writer_names",
 ]
 
-log = logging.getLogger("hybrid_kv.integrations.vllm.control")
-
-TAG_FIELD = "hkv_vllm"
+log = logging.getLogger("hybrid_kv.connector_core.control")
 
 CAP_BYTES = GRANT_BYTES
 """Bytes of a concurrent-push capability (128 random bits, as a grant)."""
 Cap = Annotated[bytes, msgspec.Meta(min_length=CAP_BYTES, max_length=CAP_BYTES)]
-TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
-Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class ControlError(ValueError):
@@ -88,10 +85,7 @@ class Renew(msgspec.Struct, tag="renew", tag_field=TAG_FIELD, frozen=True, forbi
     until: WallTime
 
 
-Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 Payload = Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
-Hex = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{16})?$")]
-Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class PushReg(msgspec.Struct, tag="push_reg", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
@@ -103,7 +97,9 @@ class PushReg(msgspec.Struct, tag="push_reg", tag_field=TAG_FIELD, frozen=True, 
     host: Host
     port: Port  # side channel of the decode engine's TP rank 0
     tp: TpSize
+    until: WallTime  # the decode stops waiting then (wall clock) and may reuse the blocks: write nothing later
     verify: bool = False  # the decode checks this request's digests (the writers put theirs in their notices)
+    instance: Instance = ""  # the registering rank's instance (claims.instance_of)
 
 
 class StreamReg(msgspec.Struct, tag="stream_reg", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
@@ -116,6 +112,7 @@ class StreamReg(msgspec.Struct, tag="stream_reg", tag_field=TAG_FIELD, frozen=Tr
     tp: TpSize
     until: WallTime  # the decode stops waiting then (wall clock) and may reuse the blocks: write nothing later
     verify: bool = False  # the decode checks this request's digests: then it is pushed whole, not streamed
+    instance: Instance = ""  # the registering rank's instance (claims.instance_of)
 
 
 class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
@@ -123,29 +120,13 @@ class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True
     writes: bool
     payload: Payload = b""  # verified requests: the writer's handshake payload
     coalesce: bool = True  # ... and its coalesce setting (its moves are cut by it)
+    ids: BlockIdLists = []  # ... and its own block ids of the request (a concurrent push's decode has no ticket)
 
 
-class VerifyAsk(msgspec.Struct, tag="verify_ask", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
-    req: RequestId  # the prefill request
-    grant: Grant
-    d_req: RequestId  # the decode request (echoed)
-    ids: BlockIdLists  # the decode rank's block ids
-    payload: Payload  # the decode rank's handshake payload
-    coalesce: bool
-    algo: Algo
-    host: Host  # the decode rank's side channel, where the answer goes
-    port: Port
+Control = Release | Renew | PushReg | PushPlan | StreamReg | Claim | ClaimAnswers
 
-
-class VerifyAnswer(msgspec.Struct, tag="verify_answer", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
-    d_req: RequestId
-    digest: Hex  # empty with ``error``
-    bytes: Count
-    moves: Count
-    error: Annotated[str, msgspec.Meta(max_length=512)] = ""
-
-
-Control = Release | Renew | PushReg | PushPlan | StreamReg | VerifyAsk | VerifyAnswer
+LIMITS = Limits(max_bytes=MAX_CONTROL_BYTES, max_len=1 << 20, max_str=4096, max_depth=6)
+"""Pre-scan bounds of a control message (the deepest: a ``Claim``'s entries' block ids)."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
@@ -156,11 +137,9 @@ def encode(msg: Control) -> bytes:
 
 
 def decode(payload: bytes) -> Control:
-    """The control message in ``payload`` (untrusted); raises ``ControlError`` naming what is wrong."""
-    try:
-        return _decoder.decode(payload)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise ControlError(f"not a hybrid-kv control message: {exc}") from None
+    """The control message in ``payload`` (untrusted): pre-scanned (size, lengths, nesting) before it is decoded;
+    raises ``ControlError`` naming what is wrong, and nothing else, for any input."""
+    return decode_wire(_decoder, payload, LIMITS, ControlError, "not a hybrid-kv control message")
 
 
 def rank_of(sender: str, engine_id: str, tp_size: int) -> int | None:
@@ -171,15 +150,6 @@ def rank_of(sender: str, engine_id: str, tp_size: int) -> int | None:
         return None
     rank = int(tail)
     return rank if rank < tp_size else None
-
-
-def writer_names(engine_id: str, ranks: list[int], own_engine: str) -> dict[str, int]:
-    """The names (side-channel sender = NIXL agent) that may answer and write a push request of
-    ``engine_id``'s ``ranks`` into ``own_engine``, with the rank each stands for: a rank's worker
-    ``<engine>-tp<rank>``, or its per-peer endpoint ``<engine>-tp<rank>-><own_engine>``."""
-    out = {f"{engine_id}-tp{r}": r for r in ranks}
-    out.update({f"{engine_id}-tp{r}->{own_engine}": r for r in ranks})
-    return out
 
 
 class Refusals:

@@ -1,25 +1,22 @@
 """``LeaseBook``: a prefill worker's leased requests and what decode engines said about them, bounded.
 
 A finished prefill request's blocks are leased to one decode engine (``SendLease``: the grant its ticket
-carries). Control messages (``control``) act on a lease only when they carry its grant: a ``Release`` counts
-its sender once (the blocks are freed once ``consumers`` ranks released), a ``Renew`` moves the expiry out,
-never past ``max_extension_s`` beyond the lease, and the first ``PushReg`` sent by a rank of the engine it
-names is the request's registration. Once one decode engine released, renewed or registered, messages from
-workers of another engine are refused (a ticket is used by one decode engine).
+carries). Control messages (``control``) act on a lease only when they carry its grant: a ``Claim``
+(``claims``) makes the first engine to claim it its holder and is answered ``ok`` only while the lease has more
+than ``LEASE_MARGIN_S`` left, a ``Release`` counts its sender once (the blocks are freed once ``consumers``
+ranks released), a ``Renew`` moves the expiry out, never past ``max_extension_s`` beyond the lease, and the first
+``PushReg`` sent by a rank of the engine it names is the request's registration. Once one decode engine claimed,
+released, renewed or registered, messages from workers of another engine are refused (a ticket is used by one
+decode engine). A lease that ended is remembered a while (``MAX_ENDED``), so a claim for it is refused at once.
 
-Messages may arrive before their lease does (the decode can be quicker than this worker's next step):
-they wait up to ``EARLY_TTL_S``, at most ``MAX_EARLY`` of them (the oldest dropped first), and are then
-checked against the lease like any other.
+Messages may arrive before their lease does (the decode can be quicker than this worker's next step): they wait
+in wire form in the ``early.EarlyBox`` (bounded by count and bytes) and are handed back when the lease comes.
 
 Concurrent push: a decode's ``StreamReg`` names the prefill request by the capability the router gave both
-requests (``params.STREAM_FIELD``), and it arrives before the request ends here, often before it even
-started. One registration per capability is kept (the first; later ones from the same engine's other ranks
-are ignored, any other engine's refused) until the request's last prefill step takes it to stream
-(``take_stream``), or its lease (``SendLease.cap``) adopts it as its push registration, or ``stream_ttl_s``
-passes. At most ``MAX_STREAM_REGS`` are kept, ``MAX_STREAM_REGS_PER_ENGINE`` per decode engine: past that a new
-one is refused (one engine's clients cannot crowd out another's). Nothing else is kept: state is at most one
-lease per request the scheduler leased, ``MAX_EARLY`` messages, ``MAX_STREAM_REGS`` registrations and one
-capability per request streaming.
+requests (``params.STREAM_FIELD``); ``stream_regs.StreamRegs`` keeps it until the request's last prefill step
+takes it to stream (``take_stream``), or its lease (``SendLease.cap``) adopts it as its push registration.
+Nothing else is kept: at most one lease per request the scheduler leased, the early box, the registrations and
+one capability per request streaming.
 """
 
 from __future__ import annotations
@@ -31,29 +28,34 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..claims import ClaimEntry
 from .control import Control, PushReg, Release, Renew, StreamReg, rank_of
-from .metadata import BlockIds, SendLease
+from .early import EarlyBox, EarlyMessage
+from .requests import BlockIds, SendLease
+from .stream_regs import StreamRegs
 
-__all__ = [
-    "EARLY_TTL_S",
-    "MAX_EARLY",
-    "MAX_STREAM_REGS",
-    "MAX_STREAM_REGS_PER_ENGINE",
-    "Lease",
-    "LeaseBook",
-    "renewal_until",
-]
+__all__ = ["LEASE_MARGIN_S", "MAX_ENDED", "MIN_PUSH_S", "Lease", "LeaseBook", "push_deadline", "renewal_until"]
 
-log = logging.getLogger("hybrid_kv.integrations.vllm.leases")
+log = logging.getLogger("hybrid_kv.connector_core.leases")
 
-EARLY_TTL_S = 60.0
-"""How long a control message for a request not (yet) leased here is kept."""
-MAX_EARLY = 4096
-"""Most such messages kept (all senders together)."""
-MAX_STREAM_REGS = 4096
-"""Most concurrent-push registrations kept for requests not leased (or streaming) here yet."""
-MAX_STREAM_REGS_PER_ENGINE = 1024
-"""The same, per decode engine."""
+LEASE_MARGIN_S = 1.0
+"""Pull: a read must end this long before the prefill's lease ends (wall clock, so it also absorbs clock skew
+between hosts up to this much), and a claim is confirmed only with more than this left. Push: the prefill's
+writes end (or fail) this long before the decode's registration's ``until``, and the decode frees its blocks no
+earlier than this long after it."""
+MIN_PUSH_S = 1.0
+"""Push: a registration whose decode stops waiting sooner than this (plus the margin) is not written to."""
+MAX_ENDED = 1 << 16
+"""Ended leases remembered (request ids), so that a late or replayed claim is refused at once."""
+
+
+def push_deadline(until: float | None, timeout_s: float, now: float | None = None) -> float | None:
+    """A push's deadline (seconds from ``now``, wall clock): ``timeout_s``, ending ``LEASE_MARGIN_S`` before the
+    decode's ``until``; ``None`` when too little of that is left to write anything (or there is no ``until``)."""
+    if until is None:
+        return None
+    left = until - (time.time() if now is None else now) - LEASE_MARGIN_S
+    return min(timeout_s, left) if left >= MIN_PUSH_S else None
 
 
 def renewal_until(expires_at: float | None, max_expires_at: float | None, now: float, lease_s: float) -> float | None:
@@ -67,7 +69,7 @@ def renewal_until(expires_at: float | None, max_expires_at: float | None, now: f
     return min(max_expires_at, now + lease_s)
 
 
-def _engine_of(sender: str) -> str:
+def engine_of(sender: str) -> str:
     """The engine part of a worker name ``<engine>-tp<rank>``."""
     head, sep, _ = sender.rpartition("-tp")
     return head if sep else sender
@@ -85,7 +87,8 @@ class Lease:
     push: PushReg | None = None
     renewals: int = 0
     cap: bytes = b""  # the request's concurrent-push capability
-    push_until: float | None = None  # a concurrent push's registration: the decode waits until then (wall)
+    push_until: float | None = None  # push: the decode waits until then (wall clock); nothing is written later
+    given_up: bool = False  # its concurrent-push decode stopped waiting before it finished: free it at once
 
 
 class LeaseBook:
@@ -96,67 +99,72 @@ class LeaseBook:
         name: str,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        stream_ttl_s: float = EARLY_TTL_S,
+        stream_ttl_s: float = 60.0,
     ) -> None:
         self.name = name
         self._clock = clock
         self._wall = wall
-        self.stream_ttl_s = stream_ttl_s
         self.leases: dict[str, Lease] = {}
-        self._early: collections.deque[tuple[float, str, Release | Renew | PushReg]] = collections.deque()
-        self._early_dropped = 0
+        self.early = EarlyBox(name, clock)
+        self.regs = StreamRegs(name, clock, wall, stream_ttl_s, LEASE_MARGIN_S + MIN_PUSH_S)
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._by_cap: dict[bytes, str] = {}  # capability -> leased request
-        self._regs: collections.OrderedDict[bytes, tuple[float, StreamReg]] = collections.OrderedDict()
-        self._regs_per_engine: collections.Counter[str] = collections.Counter()
         self._streaming: dict[bytes, str] = {}  # capability -> engine, of requests streaming now
 
     def __len__(self) -> int:
         return len(self.leases)
 
     def early_count(self) -> int:
-        return len(self._early)
+        return len(self.early)
 
     def stream_reg_count(self) -> int:
         """Concurrent-push registrations kept for requests not leased or streaming here yet."""
-        return len(self._regs)
+        return len(self.regs)
 
-    def add(self, rid: str, send: SendLease) -> None:
-        """Lease request ``rid``'s blocks (this step's metadata), then apply the messages that came early."""
+    def add(self, rid: str, send: SendLease) -> list[EarlyMessage]:
+        """Lease request ``rid``'s blocks (this step's metadata); returns the messages that came early for it (the
+        caller applies them as if they came now)."""
         now = self._clock()
         lease = Lease(send.block_ids, send.grant, now + send.lease_s, now + send.lease_s + send.max_extension_s)
         self.leases[rid] = lease
+        self._ended.pop(rid, None)
         if send.cap and send.cap not in self._streaming:
             lease.cap = send.cap
             self._by_cap[send.cap] = rid
-            got = self._pop_reg(send.cap)
+            got = self.regs.pop(send.cap)
             if got is not None:
                 self._register(rid, lease, got)
-        early = [m for m in self._early if self._req_of(m[2]) == rid]
-        if early:
-            self._early = collections.deque(m for m in self._early if self._req_of(m[2]) != rid)
-            for _, sender, msg in early:
-                self.on_message(sender, msg)
+            elif self.regs.gone(send.cap):  # its decode registered and stopped waiting: nothing will be written
+                log.warning("hybrid-kv %s: %s's decode stopped waiting before it finished; not pushed", self.name, rid)
+                lease.given_up = True
+        return self.early.take(rid)
 
     def drop(self, rid: str) -> None:
-        """Forget ``rid`` (aborted, freed or pushed)."""
+        """Forget ``rid`` (aborted, freed or pushed): a later claim for it is refused."""
         lease = self.leases.pop(rid, None)
-        if lease is not None and lease.cap:
+        if lease is None:
+            return
+        if lease.cap:
             self._by_cap.pop(lease.cap, None)
+        self._ended[rid] = None
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
 
-    def on_message(self, sender: str, msg: Control) -> str | None:
-        """Apply a control message from authenticated ``sender``; the reason it was refused, or ``None``."""
+    def on_message(self, sender: str, msg: Control, raw: bytes) -> str | None:
+        """Apply a control message from authenticated ``sender`` (``raw``: its wire bytes, kept if it is early);
+        the reason it was refused, or ``None``."""
         if isinstance(msg, StreamReg):
-            return self._on_stream_reg(sender, msg)
-        if not isinstance(msg, Release | Renew | PushReg):  # verification messages are the worker's
+            return self._on_stream_reg(sender, msg, raw)
+        if not isinstance(msg, Release | Renew | PushReg):
             return f"{type(msg).__name__} is not a message for a prefill lease"
-        rid = self._req_of(msg)
+        rid = msg.p_req if isinstance(msg, PushReg) else msg.req
         lease = self.leases.get(rid)
         if lease is None:
-            self._keep_early(sender, msg)
+            self.early.keep(sender, raw, {rid})
             return None
         if not hmac.compare_digest(lease.grant, msg.grant):
             return f"{type(msg).__name__} for {rid!r} carries another grant than its ticket's"
-        engine = msg.engine if isinstance(msg, PushReg) else _engine_of(sender)
+        engine = msg.engine if isinstance(msg, PushReg) else engine_of(sender)
         if isinstance(msg, PushReg) and rank_of(sender, msg.engine, msg.tp) is None:
             return f"push registration for {rid!r} names engine {msg.engine!r} (TP {msg.tp}) but comes from {sender!r}"
         if lease.holder is not None and lease.holder != engine:
@@ -174,7 +182,28 @@ class LeaseBook:
                 lease.renewals += 1
         elif lease.push is None:
             lease.push = msg
+            lease.push_until = msg.until
         return None
+
+    def claim(self, engine: str, entry: ClaimEntry) -> Lease | str | None:
+        """Confirm ``entry``'s lease for decode engine ``engine``: the lease (now held by ``engine``), the reason it
+        is refused, or ``None`` when it is not leased here yet (the caller keeps the claim early)."""
+        lease = self.leases.get(entry.req)
+        if lease is None:
+            return f"no lease of {entry.req!r} here: it ended" if entry.req in self._ended else None
+        if not hmac.compare_digest(lease.grant, entry.grant):
+            return f"claim of {entry.req!r} carries another grant than its ticket's"
+        if lease.holder is not None and lease.holder != engine:
+            return f"claim of {entry.req!r} from engine {engine!r}; the lease is held by {lease.holder!r}"
+        left = lease.expiry - self._clock()
+        if left <= LEASE_MARGIN_S:
+            return f"the lease of {entry.req!r} ends in {max(0.0, left):.1f} s, too soon to read"
+        lease.holder = engine
+        return lease
+
+    def expires_at(self, lease: Lease) -> float:
+        """``lease``'s end on the wall clock (what a decode compares its read's end with)."""
+        return self._wall() + (lease.expiry - self._clock())
 
     def take_due(self) -> list[tuple[str, bool]]:
         """Requests whose blocks may be freed now: ``(rid, expired)`` (``expired``: no full release in time).
@@ -185,12 +214,14 @@ class LeaseBook:
         for rid, lease in list(self.leases.items()):
             if lease.consumers and len(lease.released) >= lease.consumers and lease.push is None:
                 out.append((rid, False))
+            elif lease.given_up and lease.push is None:
+                out.append((rid, False))
             elif now >= (lease.expiry if lease.push is None else lease.max_expiry):  # a registered push is ours
                 out.append((rid, True))
             else:
                 continue
             self.drop(rid)
-        self._expire_early(now)
+        self.regs.expire()
         return out
 
     def registered(self) -> list[tuple[str, Lease, PushReg]]:
@@ -201,15 +232,13 @@ class LeaseBook:
 
     def stream_reg(self, cap: bytes) -> StreamReg | None:
         """The registration kept for capability ``cap`` (not taken), if any."""
-        got = self._regs.get(cap)
-        return None if got is None or got[0] <= self._clock() else got[1]
+        return self.regs.get(cap)
 
     def take_stream(self, cap: bytes) -> StreamReg | None:
         """Take ``cap``'s registration to stream its request now: later registrations from another engine are
         refused until ``end_stream``."""
-        reg = self.stream_reg(cap)
+        reg = self.regs.pop(cap)
         if reg is not None:
-            self._pop_reg(cap)
             self._streaming[cap] = reg.engine
         return reg
 
@@ -217,7 +246,7 @@ class LeaseBook:
         """The request streaming with ``cap`` ended (its transfers and its lease)."""
         self._streaming.pop(cap, None)
 
-    def _on_stream_reg(self, sender: str, msg: StreamReg) -> str | None:
+    def _on_stream_reg(self, sender: str, msg: StreamReg, raw: bytes) -> str | None:
         what = f"stream registration for capability {msg.cap.hex()[:8]}..."
         if rank_of(sender, msg.engine, msg.tp) is None:
             return f"{what} names engine {msg.engine!r} (TP {msg.tp}) but comes from {sender!r}"
@@ -228,19 +257,7 @@ class LeaseBook:
         lease = None if rid is None else self.leases.get(rid)
         if rid is not None and lease is not None:
             return self._register(rid, lease, msg)
-        now = self._clock()
-        self._expire_regs(now)
-        kept = self._regs.get(msg.cap)
-        if kept is not None:
-            return None if kept[1].engine == msg.engine else f"{what} from {msg.engine!r}; {kept[1].engine!r} was first"
-        if len(self._regs) >= MAX_STREAM_REGS or self._regs_per_engine[msg.engine] >= MAX_STREAM_REGS_PER_ENGINE:
-            return (
-                f"{what} refused: {len(self._regs)} kept ({self._regs_per_engine[msg.engine]} of engine "
-                f"{msg.engine!r}; at most {MAX_STREAM_REGS}, {MAX_STREAM_REGS_PER_ENGINE} per engine)"
-            )
-        self._regs[msg.cap] = (now + self.stream_ttl_s, msg)
-        self._regs_per_engine[msg.engine] += 1
-        return None
+        return self.regs.offer(msg, raw)
 
     def _register(self, rid: str, lease: Lease, msg: StreamReg) -> str | None:
         """``msg`` as the push registration of leased request ``rid`` (whole-request push)."""
@@ -258,51 +275,8 @@ class LeaseBook:
                 host=msg.host,
                 port=msg.port,
                 tp=msg.tp,
+                until=msg.until,
+                verify=msg.verify,
+                instance=msg.instance,
             )
         return None
-
-    def _pop_reg(self, cap: bytes) -> StreamReg | None:
-        got = self._regs.pop(cap, None)
-        if got is None:
-            return None
-        self._uncount(got[1].engine)
-        return None if got[0] <= self._clock() else got[1]
-
-    def _uncount(self, engine: str) -> None:
-        self._regs_per_engine[engine] -= 1
-        if self._regs_per_engine[engine] <= 0:
-            del self._regs_per_engine[engine]
-
-    def _expire_regs(self, now: float) -> None:
-        while self._regs:  # one TTL for all: insertion order is expiry order
-            cap, (expiry, reg) = next(iter(self._regs.items()))
-            if expiry > now:
-                break
-            del self._regs[cap]
-            self._uncount(reg.engine)
-
-    # ------------------------------------------------------------------ early messages
-
-    @staticmethod
-    def _req_of(msg: Release | Renew | PushReg) -> str:
-        return msg.p_req if isinstance(msg, PushReg) else msg.req
-
-    def _keep_early(self, sender: str, msg: Release | Renew | PushReg) -> None:
-        now = self._clock()
-        self._expire_early(now)
-        self._early.append((now + EARLY_TTL_S, sender, msg))
-        if len(self._early) > MAX_EARLY:
-            self._early.popleft()
-            self._early_dropped += 1
-            if self._early_dropped == 1 or self._early_dropped % 1024 == 0:
-                log.warning(
-                    "hybrid-kv %s: %d control messages for requests not leased here dropped (at most %d kept)",
-                    self.name,
-                    self._early_dropped,
-                    MAX_EARLY,
-                )
-
-    def _expire_early(self, now: float) -> None:
-        while self._early and self._early[0][0] <= now:
-            self._early.popleft()
-        self._expire_regs(now)

@@ -19,33 +19,41 @@ and the prefill engine's address in the decode's (the NixlConnector-style ``remo
 inside the allowed peer networks, and uses a capability once; it registers its own blocks for its own
 request and names no prefill block, so there is nothing for a signature to protect: the capability is what
 joins the two requests (a prefill writes a request only to the first decode engine presenting the
-capability its own request carries, see ``leases``). ARCHITECTURE.md's threat model has the analysis.
+capability its own request carries, see ``stream_regs``). An address from an API client is dialled only if it
+is a known peer engine: listed in the ``peer_engines`` setting (``ENGINE@HOST:PORT``), or named by a signed ticket
+this decode already verified (``KnownEngines``). Used capabilities live in their own store (``SpentCaps``), which
+evicts rather than refuses, so no number of client requests can make the decode refuse a signed ticket.
+ARCHITECTURE.md's threat model has the analysis.
 """
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
 
-from ...limits import MAX_TP_SIZE
-from .tickets import MAX_TICKET_CHARS, TICKET_FIELD, Name, SpentTickets, Ticket, TicketError, TicketKey
+from ..limits import MAX_TP_SIZE
+from ..wire import Name
+from .tickets import MAX_TICKET_CHARS, TICKET_FIELD, SpentCaps, SpentTickets, Ticket, TicketError, TicketKey
 
 __all__ = [
     "STREAM_FIELD",
+    "KnownEngines",
     "RecvParams",
     "StreamGrant",
     "StreamParams",
     "TransferParams",
+    "parse_engines",
     "parse_networks",
     "stream_cap",
 ]
 
-log = logging.getLogger("hybrid_kv.integrations.vllm.params")
+log = logging.getLogger("hybrid_kv.connector_core.params")
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -113,6 +121,52 @@ def parse_networks(spec: str | Sequence[str] | None) -> tuple[IpNetwork, ...] | 
     return tuple(ipaddress.ip_network(s, strict=False) for s in items)
 
 
+EngineAddress = tuple[str, str, int]
+"""A peer engine as an API client names it: ``(engine id, side-channel host, side-channel port of TP rank 0)``."""
+
+MAX_KNOWN_ENGINES = 4096
+"""Engines learned from signed tickets that a decode remembers (the least recently seen is forgotten first)."""
+
+
+def parse_engines(spec: str | Sequence[str] | None) -> frozenset[EngineAddress]:
+    """The ``peer_engines`` setting: comma-separated ``ENGINE_ID@HOST:PORT`` (an IPv6 host in brackets).
+
+    Raises:
+        ValueError: an entry that is not of that form (the message names it).
+    """
+    if spec is None:
+        return frozenset()
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec)]
+    out = set()
+    for item in (s for s in items if s):
+        engine, at, address = item.rpartition("@")
+        host, colon, port = address.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not (at and engine and colon and host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{item!r} is not ENGINE_ID@HOST:PORT")
+        out.add((engine, host, int(port)))
+    return frozenset(out)
+
+
+@dataclass
+class KnownEngines:
+    """The peer engines a decode may dial for an API client: those configured (``peer_engines``) and those named
+    by signed tickets it verified (a ticket is the prefill engine's own word on where it listens)."""
+
+    configured: frozenset[EngineAddress] = frozenset()
+    learned: collections.OrderedDict[EngineAddress, None] = field(default_factory=collections.OrderedDict)
+
+    def learn(self, ticket: Ticket) -> None:
+        key = (ticket.engine_id, ticket.host, ticket.port)
+        self.learned[key] = None
+        self.learned.move_to_end(key)
+        while len(self.learned) > MAX_KNOWN_ENGINES:
+            self.learned.popitem(last=False)
+
+    def __contains__(self, engine: object) -> bool:
+        return engine in self.configured or engine in self.learned
+
+
 def host_allowed(host: str, networks: tuple[IpNetwork, ...] | None) -> bool:
     """Whether a peer's advertised ``host`` is inside ``networks`` (a host name never is, once they are set)."""
     if networks is None:
@@ -133,6 +187,7 @@ class TransferParams:
         mode: this engine's transfer mode; a ticket for the other mode is refused.
         num_groups: this engine's transfer groups; a ticket must name exactly as many.
         networks: the peer networks a ticket's host must be in (``None``: any).
+        engines: the configured peer engines (``peer_engines``) a concurrent push may name.
     """
 
     key: TicketKey
@@ -141,9 +196,12 @@ class TransferParams:
     networks: tuple[IpNetwork, ...] | None = None
     stream_ttl_s: float = 600.0
     """How long a used capability is remembered (the decode's wait plus the prefill's lease, at least)."""
+    engines: frozenset[EngineAddress] = frozenset()
 
     def __post_init__(self) -> None:
         self.spent = SpentTickets()
+        self.spent_caps = SpentCaps()
+        self.known = KnownEngines(self.engines)
 
     def check(self, params: Any, max_blocks: Sequence[int], now: float) -> Ticket | StreamGrant | str:
         """The verified ticket in ``params`` (or, without one, the concurrent push's checked capability and
@@ -187,6 +245,8 @@ class TransferParams:
         if not host_allowed(ticket.host, self.networks):
             raise TicketError(f"{where} names host {ticket.host!r}, outside the allowed peer networks")
         self.spent.spend(ticket, now)
+        if self.key.signed:
+            self.known.learn(ticket)
         return ticket
 
     def _check_stream(self, params: dict[str, Any], now: float) -> StreamGrant:
@@ -199,6 +259,12 @@ class TransferParams:
         where = f"concurrent push from {fields.remote_engine_id!r}"
         if not host_allowed(fields.remote_host, self.networks):
             raise TicketError(f"{where} names host {fields.remote_host!r}, outside the allowed peer networks")
+        address = (fields.remote_engine_id, fields.remote_host, fields.remote_port)
+        if address not in self.known:
+            raise TicketError(
+                f"{where} at {fields.remote_host}:{fields.remote_port} is not a known peer engine (list it in the "
+                "peer_engines setting as ENGINE_ID@HOST:PORT)"
+            )
         cap = bytes.fromhex(fields.hkv_stream)
-        self.spent.spend_key(b"c" + cap, now + self.stream_ttl_s, now, f"{where}: its capability")
+        self.spent_caps.spend(cap, now + self.stream_ttl_s, now, f"{where}: its capability")
         return StreamGrant(cap, fields.remote_engine_id, fields.remote_host, fields.remote_port, fields.tp_size)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import collections
 import hashlib
+import heapq
 import hmac
 import math
 from typing import Annotated, Literal
@@ -31,17 +31,28 @@ import msgspec
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ...limits import MAX_TP_SIZE
+from ..limits import MAX_GROUPS, MAX_TP_SIZE
+from ..wire import (
+    MAX_BLOCKS_PER_GROUP,
+    BlockIdLists,
+    Grant,
+    Host,
+    Limits,
+    Name,
+    Port,
+    RequestId,
+    WallTime,
+)
+from ..wire import decode as decode_wire
 
 __all__ = [
     "ALREADY_USED",
-    "GRANT_BYTES",
-    "MAX_BLOCKS_PER_GROUP",
+    "MAX_LIVE_CAPS",
     "MAX_SPENT_TICKETS",
     "MAX_TICKET_CHARS",
     "TICKET_FIELD",
     "TICKET_INFO",
-    "Grant",
+    "SpentCaps",
     "SpentTickets",
     "Ticket",
     "TicketError",
@@ -54,28 +65,21 @@ TICKET_VERSION = 1
 TICKET_INFO = b"hybrid-kv/vllm transfer ticket v1"
 """HKDF ``info`` label of the ticket key (distinct from every other use of the secret)."""
 TAG_BYTES = 32
-GRANT_BYTES = 16
-MAX_GROUPS = 64
-"""Most transfer groups a ticket may name (the Rust core's ``MAX_GROUPS``)."""
-MAX_BLOCKS_PER_GROUP = 1 << 20
-"""Most block ids in one group of a ticket (a 16 M-token context in 16-token blocks); the decode bounds each
-group further by what its own request can hold (``params``)."""
 MAX_TICKET_CHARS = 12 * MAX_GROUPS * 1024 + 1024
 """Longest ticket text decoded; longer is refused before base64 allocates (a ticket of a 64 K-token request
 in 16-token blocks over 4 groups is about 22 KB)."""
 ALREADY_USED = "was already used"
 """The end of the refusal of a ticket or capability used before."""
 MAX_SPENT_TICKETS = 1 << 17
-"""Live (unexpired) tickets a decode remembers as used; past that, new tickets are refused until some expire."""
+"""Live (unexpired) signed tickets a decode remembers as used; past that, new tickets are refused until some
+expire. Only a prefill engine issues tickets (one per request it served), so reaching it takes a prefill rate of
+``MAX_SPENT_TICKETS`` requests per lease time; API clients cannot fill it."""
+MAX_LIVE_CAPS = 1 << 16
+"""Concurrent-push capabilities a decode remembers as used; API clients choose them, so past this the one that
+expires first is forgotten (never refusing a new one, and never touching the signed tickets' store)."""
 
-Grant = Annotated[bytes, msgspec.Meta(min_length=GRANT_BYTES, max_length=GRANT_BYTES)]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
-BlockIdLists = Annotated[
-    list[Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]], msgspec.Meta(max_length=MAX_GROUPS)
-]
-WallTime = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]  # also refuses NaN and infinities
+LIMITS = Limits(max_bytes=MAX_TICKET_CHARS, max_len=MAX_BLOCKS_PER_GROUP, max_str=1024, max_depth=3)
+"""Pre-scan bounds of a ticket's envelope and body (the deepest: body -> block ids -> group)."""
 
 
 class TicketError(ValueError):
@@ -90,8 +94,8 @@ class Ticket(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields
     request_id: RequestId  # the prefill's request id (releases and renewals name it)
     grant: Grant  # random; names this grant in every control message about it
     block_ids: BlockIdLists  # the prefill's blocks per transfer group
-    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]  # side channel of its TP rank 0
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    host: Host  # side channel of its TP rank 0
+    port: Port
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
     num_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**40)]
     expires_at: WallTime  # wall clock: the lease ends (the prefill may free the blocks)
@@ -105,8 +109,8 @@ class _Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fie
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode_envelope = msgspec.msgpack.Decoder(_Envelope).decode
-_decode_ticket = msgspec.msgpack.Decoder(Ticket).decode
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_ticket_decoder = msgspec.msgpack.Decoder(Ticket)
 
 
 def derive_key(secret: bytes) -> bytes:
@@ -141,19 +145,16 @@ class TicketKey:
             raise TicketError(f"ticket is {len(text)} characters; at most {MAX_TICKET_CHARS} are accepted")
         try:
             raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-            env = _decode_envelope(raw)
-        except (binascii.Error, ValueError, msgspec.DecodeError) as exc:  # ValidationError is a DecodeError
+        except (binascii.Error, ValueError) as exc:
             raise TicketError(f"ticket is not a hybrid-kv ticket: {exc}") from None
+        env = decode_wire(_envelope_decoder, raw, LIMITS, TicketError, "ticket is not a hybrid-kv ticket")
         if self._key is not None:
             want = hmac.new(self._key, env.body, hashlib.sha256).digest()
             if not env.tag:
                 raise TicketError("ticket is unsigned (issued by an insecure engine) and this engine has a secret")
             if not hmac.compare_digest(want, env.tag):
                 raise TicketError("ticket signature does not verify (forged, altered, or another deployment's)")
-        try:
-            ticket = _decode_ticket(env.body)
-        except msgspec.DecodeError as exc:
-            raise TicketError(f"ticket fields are malformed: {exc}") from None
+        ticket = decode_wire(_ticket_decoder, env.body, LIMITS, TicketError, "ticket fields are malformed")
         if ticket.version != TICKET_VERSION:
             raise TicketError(f"ticket version {ticket.version}; this engine reads version {TICKET_VERSION}")
         if not math.isfinite(ticket.expires_at) or not ticket.expires_at <= ticket.max_expires_at:
@@ -163,36 +164,77 @@ class TicketKey:
         return ticket
 
 
-class SpentTickets:
-    """Grants of tickets a decode engine already acted on: a ticket is used once.
+class _Spent:
+    """Random keys (grants, capabilities) used once, each remembered until its expiry (wall clock), expired ones
+    dropped in expiry order whatever the order they came in."""
 
-    Each grant is remembered until its ticket's ``max_expires_at`` (after which the ticket is refused as
-    expired anyway), at most ``MAX_SPENT_TICKETS`` of them.
-    """
-
-    def __init__(self, limit: int = MAX_SPENT_TICKETS) -> None:
+    def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._until: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._until: dict[bytes, float] = {}
+        self._heap: list[tuple[float, bytes]] = []
 
     def __len__(self) -> int:
         return len(self._until)
 
-    def spend(self, ticket: Ticket, now: float) -> None:
-        """Record ``ticket`` as used at wall-clock ``now``; raises ``TicketError`` if it was already used."""
-        self.spend_key(
-            b"t" + ticket.grant, ticket.max_expires_at, now, f"ticket of {ticket.engine_id!r}/{ticket.request_id!r}"
-        )
+    def _expire(self, now: float) -> None:
+        while self._heap and self._heap[0][0] <= now:
+            until, key = heapq.heappop(self._heap)
+            if self._until.get(key) == until:
+                del self._until[key]
 
-    def spend_key(self, key: bytes, until: float, now: float, what: str) -> None:
-        """Record random ``key`` (a ticket's grant, a stream capability) as used until wall-clock ``until``;
-        raises ``TicketError`` naming ``what`` if it is already, or when too many live keys are remembered."""
-        while self._until:  # expiries are nearly in insertion order: a few may linger briefly
-            grant, expiry = next(iter(self._until.items()))
-            if expiry > now:
-                break
-            del self._until[grant]
-        if key in self._until:
+    def _evict_first(self) -> None:
+        while self._heap:
+            until, key = heapq.heappop(self._heap)
+            if self._until.get(key) == until:
+                del self._until[key]
+                return
+
+    def _add(self, key: bytes, until: float) -> None:
+        self._until[key] = until
+        heapq.heappush(self._heap, (until, key))
+
+
+class SpentTickets(_Spent):
+    """Grants of signed tickets a decode engine already acted on: a ticket is used once.
+
+    Each grant is remembered until its ticket's ``max_expires_at`` (after which the ticket is refused as expired
+    anyway), at most ``MAX_SPENT_TICKETS`` live ones; past that a new ticket is refused (forgetting a live grant
+    would let its ticket be used again).
+    """
+
+    def __init__(self, limit: int = MAX_SPENT_TICKETS) -> None:
+        super().__init__(limit)
+
+    def spend(self, ticket: Ticket, now: float) -> None:
+        """Record ``ticket`` as used at wall-clock ``now``; raises ``TicketError`` if it was already used, or when
+        ``MAX_SPENT_TICKETS`` live tickets are remembered."""
+        what = f"ticket of {ticket.engine_id!r}/{ticket.request_id!r}"
+        self._expire(now)
+        if ticket.grant in self._until:
             raise TicketError(f"{what} {ALREADY_USED}")
         if len(self._until) >= self._limit:
             raise TicketError(f"too many live tickets: {self._limit} used and not yet expired")
-        self._until[key] = until
+        self._add(ticket.grant, ticket.max_expires_at)
+
+
+class SpentCaps(_Spent):
+    """Concurrent-push capabilities a decode engine already acted on (a capability pairs two requests once).
+
+    API clients choose capabilities, so this store never refuses for being full: past ``MAX_LIVE_CAPS`` live
+    ones, the one expiring first is forgotten. Forgetting one only lets the same capability pair a second
+    request of this decode engine, which a prefill ignores (it keeps the first registration per capability).
+    """
+
+    def __init__(self, limit: int = MAX_LIVE_CAPS) -> None:
+        super().__init__(limit)
+        self.evicted = 0
+
+    def spend(self, cap: bytes, until: float, now: float, what: str) -> None:
+        """Record ``cap`` as used until wall-clock ``until``; raises ``TicketError`` naming ``what`` if it is."""
+        self._expire(now)
+        if cap in self._until:
+            raise TicketError(f"{what} {ALREADY_USED}")
+        while len(self._until) >= self._limit:
+            self._evict_first()
+            self.evicted += 1
+        self._add(cap, until)

@@ -20,10 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .config import ConnectorConfig
+from ...connector_core.config import ConnectorConfig
 from .layout import prefer_ds_conv_layout
 from .logs import attach_to_vllm
 from .metadata import HybridKvMetadata
+from .plugin import register as register_with_vllm
 from .scheduler import SchedulerHalf
 from .stats import HybridKvPromMetrics, HybridKvStats
 from .worker import WorkerHalf
@@ -33,6 +34,12 @@ __all__ = ["HybridKvConnector"]
 log = logging.getLogger("hybrid_kv.integrations.vllm")
 attach_to_vllm()  # hybrid_kv records go to vLLM's log stream, in every process that loads the connector
 prefer_ds_conv_layout()  # before vLLM starts the engine processes (they inherit it): SSM conv states in DS
+
+# vLLM's MultiConnector rebuilds its sub-connectors' stats by name from vLLM's connector registry, ignoring
+# kv_connector_module_path: without a registration, an engine whose MultiConnector wraps this connector dies at its
+# first stats record. Registered here (any process that loads the connector through its module path) and by the
+# vLLM general plugin ``plugin.register`` (every vLLM process, where the wheel is installed).
+register_with_vllm()
 
 
 class HybridKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]  # vLLM is untyped where it is not installed

@@ -30,21 +30,21 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-from ...transport.auth import resolve_secret
-from ...verify_policy import VerifyPolicy
-from .config import ConnectorConfig
-from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
-from .params import StreamGrant, TransferParams, parse_networks, stream_cap
-from .stats import HybridKvStats
-from .tickets import (
+from ...connector_core.config import ConnectorConfig
+from ...connector_core.params import StreamGrant, TransferParams, parse_engines, parse_networks, stream_cap
+from ...connector_core.tickets import (
     ALREADY_USED,
-    GRANT_BYTES,
     TICKET_FIELD,
     TICKET_VERSION,
     Ticket,
     TicketError,
     TicketKey,
 )
+from ...transport.auth import resolve_secret
+from ...verify_policy import VerifyPolicy
+from ...wire import GRANT_BYTES
+from .metadata import BlockIds, HybridKvMetadata, RecvReq, SendLease, StreamSend
+from .stats import HybridKvStats
 
 __all__ = ["SchedulerHalf"]
 
@@ -89,6 +89,7 @@ class SchedulerHalf:
             len(groups),
             parse_networks(cfg.peer_networks),
             stream_ttl_s=cfg.push_registration_timeout_s + cfg.lease_s + cfg.lease_max_extension_s,
+            engines=parse_engines(cfg.peer_engines),
         )
         self._aborted: set[str] = set()
         self._verify = VerifyPolicy.parse(cfg.verify)

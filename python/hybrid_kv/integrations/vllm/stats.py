@@ -31,6 +31,11 @@ COUNTERS = (
     "num_streamed_requests",
     "num_stream_fallbacks",
     "num_lost_controls",
+    "num_refused_claims",
+    "num_held_requests",
+    "num_late_registrations",
+    "num_dropped_links",
+    "num_side_channel_restarts",
 )
 # Time spent in the connector's hooks (for overhead reports): the scheduler half, the worker half, and three
 # parts of the worker half: ``Endpoint.post`` (checks and NIXL's posting), control messages to peers (one
