@@ -17,8 +17,8 @@ import statistics
 import time
 
 import hybrid_kv
-from hybrid_kv.integrations.vllm.params import TransferParams
-from hybrid_kv.integrations.vllm.tickets import TICKET_FIELD, Ticket, TicketKey
+from hybrid_kv.connector_core.params import TransferParams
+from hybrid_kv.connector_core.tickets import TICKET_FIELD, Ticket, TicketKey
 from hybrid_kv.presets import get_preset
 
 ROUNDS = 2000

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from hybrid_kv.integrations.vllm.tickets import TICKET_FIELD, Ticket, TicketKey
+from hybrid_kv.connector_core.tickets import TICKET_FIELD, Ticket, TicketKey
 
 
 def deployment_key() -> TicketKey:

@@ -313,7 +313,9 @@ def test_prefill_killed_fails_exactly_its_request(model_dirs: dict[str, str]) ->
 
     a, b, d, outputs, first = _two_prefills_one_killed(model_dirs, "kimi", 2, (("transfer_timeout_s", 10.0),))
     try:
-        run_until([a, d], lambda: {"d-a1", "d-b1"} <= set(d.outputs) and a.idle(), timeout_s=90)
+        # each decode rank fails d-b1 on its own (its claim to the dead prefill is refused): wait for both
+        done = lambda: {"d-a1", "d-b1"} <= set(d.outputs) and a.idle()  # noqa: E731
+        run_until([a, d], lambda: done() and d.counter("num_failed_transfers") >= d.spec.tp, timeout_s=90)
         assert outputs.finish["d-b1"] == FinishReason.ERROR
         assert outputs.finish["d-a1"] != FinishReason.ERROR
         checks = _checks(a.spec, d, ["d-a1"], {"d-a1": 2})

@@ -26,7 +26,7 @@ import pytest
 from tickets_helper import raw_ticket, reissue, ticket_fields, ticket_of
 from vllm_harness import CONTENT_TOKENS, Engine, EngineSpec, build, prompt, run_until, side_channel_ports
 
-from hybrid_kv.integrations.vllm.tickets import TICKET_FIELD, TicketKey
+from hybrid_kv.connector_core.tickets import TICKET_FIELD, TicketKey
 
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -99,7 +99,7 @@ def _request(rid: str, params: Any) -> Any:
 
 def _insecure_hostile() -> dict[str, dict[str, Any]]:
     """Unsigned tickets (what an insecure engine accepts) whose fields carry item 1's values."""
-    from hybrid_kv.integrations.vllm.tickets import Ticket
+    from hybrid_kv.connector_core.tickets import Ticket
 
     t = Ticket(1, "prefill", "p-0", b"g" * 16, [[1, 2]], "127.0.0.1", 5600, 1, 64, 4e9, 4e9 + 60, "pull")
     out = {}

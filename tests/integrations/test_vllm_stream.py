@@ -36,7 +36,8 @@ def _pair(model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, **p_kw: 
         EngineSpec("prefill", model, model_dirs[model], p_tp, "push", p_port, layerwise=True, layer_s=LAYER_S, **p_kw)
     )
     try:
-        d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, "push", d_port))
+        known = (("peer_engines", f"prefill@127.0.0.1:{p_port}"),)  # a concurrent push names only known engines
+        d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, "push", d_port, extra=known))
     except BaseException:
         p.close()
         raise
@@ -160,7 +161,7 @@ def test_a_decode_that_stopped_waiting_gets_nothing_written(model_dirs: dict[str
 
     p_port, d_port = side_channel_ports(2)
     p = Engine.start(EngineSpec("prefill", "kimi", model_dirs["kimi"], 1, "push", p_port, layerwise=True))
-    wait = (("push_registration_timeout_s", 4.0),)
+    wait = (("push_registration_timeout_s", 4.0), ("peer_engines", f"prefill@127.0.0.1:{p_port}"))
     d = Engine.start(EngineSpec("decode", "kimi", model_dirs["kimi"], 1, "push", d_port, extra=wait))
     statuses = _finish_statuses(d)
     try:

@@ -36,7 +36,8 @@ def _scheduler(model_dirs: dict[str, str], mode: str, extra: tuple[tuple[str, An
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    spec = EngineSpec("decode", "gqa", model_dirs["gqa"], 1, mode, 5700, extra=extra)
+    known = (("peer_engines", "prefill@10.1.2.3:5600"),)  # GOOD's prefill engine
+    spec = EngineSpec("decode", "gqa", model_dirs["gqa"], 1, mode, 5700, extra=(*known, *extra))
     vc, kv_cfg, _ = build(spec)
     vc.cache_config.num_gpu_blocks = kv_cfg.num_blocks
     return Scheduler(
@@ -70,6 +71,9 @@ def test_hostile_stream_params_are_refused_and_never_raise(model_dirs: dict[str,
         "tp_zero": dict(GOOD, tp_size=0),
         "outside": dict(GOOD, remote_host="192.168.0.1", hkv_stream="1" * 32),
         "host_name": dict(GOOD, remote_host="evil.example", hkv_stream="2" * 32),
+        # a closed port on a real prefill's host: not a known peer engine, so never dialled (it held a control lane)
+        "unknown_port": dict(GOOD, remote_port=5601, hkv_stream="3" * 32),
+        "unknown_engine": dict(GOOD, remote_engine_id="other", hkv_stream="4" * 32),
         "ok": dict(GOOD),
         "reused": dict(GOOD),  # the same capability a second time on this decode
     }
@@ -88,6 +92,8 @@ def test_hostile_stream_params_are_refused_and_never_raise(model_dirs: dict[str,
     assert "outside the allowed peer networks" in recv["outside"].refused
     assert "outside the allowed peer networks" in recv["host_name"].refused
     assert "already used" in recv["reused"].refused
+    assert "not a known peer engine" in recv["unknown_port"].refused
+    assert "not a known peer engine" in recv["unknown_engine"].refused
 
 
 def test_stream_params_need_push_mode(model_dirs: dict[str, str]) -> None:
@@ -112,7 +118,7 @@ def test_a_prefill_streams_only_requests_with_a_sound_unique_capability(model_di
 def test_streaming_off_leaves_the_capability_to_the_whole_push(model_dirs: dict[str, str]) -> None:
     """``stream: false``: no request streams, and a finished request's lease still carries its capability (a
     concurrent decode's registration then gets the whole push)."""
-    from hybrid_kv.integrations.vllm.config import ConnectorConfig
+    from hybrid_kv.connector_core.config import ConnectorConfig
 
     assert ConnectorConfig.resolve({"mode": "push"}, env={}).stream is True
     assert ConnectorConfig.resolve({"mode": "push"}, env={"HYBRID_KV_STREAM": "0"}).stream is False
@@ -134,9 +140,10 @@ def test_a_second_decode_engine_cannot_take_a_registered_capability(model_dirs: 
 
     p_port, d_port, e_port = side_channel_ports(3)
     p = Engine.start(EngineSpec("prefill", "gqa", model_dirs["gqa"], 1, "push", p_port, layerwise=True))
-    d = Engine.start(EngineSpec("decode", "gqa", model_dirs["gqa"], 1, "push", d_port))
+    known = (("peer_engines", f"prefill@127.0.0.1:{p_port}"),)
+    d = Engine.start(EngineSpec("decode", "gqa", model_dirs["gqa"], 1, "push", d_port, extra=known))
     wait = (("push_registration_timeout_s", 10.0),)
-    e = Engine.start(EngineSpec("decode2", "gqa", model_dirs["gqa"], 1, "push", e_port, extra=wait))
+    e = Engine.start(EngineSpec("decode2", "gqa", model_dirs["gqa"], 1, "push", e_port, extra=(*wait, *known)))
     finish = e.finish_reasons
     try:
         e.workers.call("mark")
