@@ -131,7 +131,7 @@ def run_kit(
     for name in steps:
         left = budget_s - (time.monotonic() - t0)
         bound = min(bounds[name], left)
-        if bound < MIN_STEP_S:
+        if left < MIN_STEP_S:
             summary["steps"][name] = {
                 "ok": False,
                 "skipped": True,

@@ -33,8 +33,6 @@ def _version(dist: str) -> str | None:
 
 
 def run(cfg: KitConfig, report: Report) -> None:
-    import torch
-
     import hybrid_kv
 
     report.put("python", sys.version.split()[0])
@@ -42,10 +40,17 @@ def run(cfg: KitConfig, report: Report) -> None:
     report.put("cpus", {"count": os.cpu_count(), "usable": len(os.sched_getaffinity(0))})
     report.put("packages", {p: _version(p) for p in PACKAGES})
     report.put("hybrid_kv", {"version": hybrid_kv.__version__, "path": os.path.dirname(hybrid_kv.__file__)})
-    cuda = torch.cuda.is_available()
-    report.put("torch", {"version": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda})
+    report.put("ucx", ucx_version())
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "NIXL_", "CUDA_", "PYTORCH_CUDA"))}
     report.put("environment", env)
+    zmq = importlib.import_module("zmq")
+    report.put("zmq", {"libzmq": zmq.zmq_version(), "pyzmq": zmq.pyzmq_version(), "curve": bool(zmq.has("curve"))})
+    curve = bool(os.environ.get("HYBRID_KV_SECRET"))
+    report.put("side_channel", "CURVE, keys from HYBRID_KV_SECRET" if curve else "no HYBRID_KV_SECRET")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    report.put("torch", {"version": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda})
     dev = Device(cfg.device, cfg.chunk)
     if dev.is_cuda and not torch.cuda.is_available():
         report.problem(f"device {cfg.device}: torch {torch.__version__} sees no CUDA device")
@@ -53,12 +58,7 @@ def run(cfg: KitConfig, report: Report) -> None:
         dev.activate()
         report.put("device", dev.describe())
         _pattern_agrees(dev, report)
-    report.put("ucx", ucx_version())
     _nixl(report, dev.mem_type)
-    zmq = importlib.import_module("zmq")
-    report.put("zmq", {"libzmq": zmq.zmq_version(), "pyzmq": zmq.pyzmq_version(), "curve": bool(zmq.has("curve"))})
-    curve = bool(os.environ.get("HYBRID_KV_SECRET"))
-    report.put("side_channel", "CURVE, keys from HYBRID_KV_SECRET" if curve else "no HYBRID_KV_SECRET")
 
 
 def _pattern_agrees(dev: Device, report: Report) -> None:
