@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dim", type=int_in(0, 1 << 16), help="per-layer matrix side (0: like the model's)")
     p.add_argument("--planner-pool-gib", type=positive_int(1 << 10), help="each rank's pool in the planner layouts")
     p.add_argument("--chunk-mib", type=positive_int(4096), help="bytes the device byte check takes per step, MiB")
+    p.add_argument(
+        "--ucx-error-mode",
+        choices=("peer", "none"),
+        help="UCX error handling of the ranks' endpoints (default peer, as the connector)",
+    )
     p.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)  # fault injection for the tests
 
 
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         planner_pool_gib=args.planner_pool_gib,
         chunk=args.chunk_mib << 20 if args.chunk_mib else None,
         corrupt=args.corrupt or None,
+        ucx_error_mode=args.ucx_error_mode,
     )
     _check_presets(cfg.presets)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

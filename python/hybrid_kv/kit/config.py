@@ -43,6 +43,9 @@ class KitConfig:
     planner_pool_gib: int = 40
     """Each rank's KV pool in the planner step's layouts (synthetic addresses: nothing is allocated)."""
     planner_calls: int = 200
+    ucx_error_mode: str = "peer"
+    """UCX error handling of the ranks' endpoints: ``peer`` (the connector's: a dead peer is an error, not a hang;
+    UCX leaves out transports that cannot report it) or ``none``."""
     log_dir: str = "."
     corrupt: bool = False
     """Fault injection (tests): the transfer step flips one byte a request moved on a decode rank before checking."""
@@ -51,7 +54,8 @@ class KitConfig:
     def for_device(cls, device: str, **overrides: Any) -> KitConfig:
         """The defaults for ``device`` (``cpu``: the dry run's sizes), then ``overrides`` (``None`` values
         ignored)."""
-        base: dict[str, Any] = {"device": device}
+        # torch's CUDA calls (set_device, mem_get_info) want an index: plain "cuda" is the first visible GPU
+        base: dict[str, Any] = {"device": "cuda:0" if device == "cuda" else device}
         if device == "cpu":
             base.update(
                 chunk=1 << 20,

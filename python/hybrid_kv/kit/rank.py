@@ -51,6 +51,7 @@ class RankSpec:
     device: str
     chunk: int
     deadline_s: float = 60.0
+    ucx_error_mode: str = "peer"  # the endpoint's ucx_error_handling_mode (the connector's is "peer")
 
     @property
     def active(self) -> bool:
@@ -113,6 +114,7 @@ class Rank:
             tables,
             mem_type=self.table.mem_type,
             metadata_provider={spec.rank: self.payload},
+            ucx_error_handling_mode=spec.ucx_error_mode,
         )
         self.link: Any = None
         return {

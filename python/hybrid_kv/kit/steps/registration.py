@@ -32,7 +32,7 @@ def run(cfg: KitConfig, report: Report) -> None:
     report.put("pool_budget_bytes", budget)
     for name in REAL:
         try:
-            report.put(name, _one(dev, name, budget))
+            report.put(name, _one(dev, name, budget, cfg.ucx_error_mode))
         except Exception as exc:  # noqa: BLE001 - the next preset still runs
             import traceback
 
@@ -40,7 +40,7 @@ def run(cfg: KitConfig, report: Report) -> None:
         dev.release()
 
 
-def _one(dev: Device, name: str, budget: int) -> dict[str, Any]:
+def _one(dev: Device, name: str, budget: int, error_mode: str) -> dict[str, Any]:
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -76,13 +76,21 @@ def _one(dev: Device, name: str, budget: int) -> dict[str, Any]:
         times[what] = time.perf_counter() - t
         return out
 
-    timed("backend_s", lambda: agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"}))
+    timed("backend_s", lambda: agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode}))
     handle = timed("register_s", lambda: agent.register_memory(reg, table.mem_type))
     dlist = timed("prep_s", lambda: agent.prep_xfer_dlist(LOCAL, rows, table.mem_type))
     metadata = timed("metadata_s", agent.get_agent_metadata)
     timed("release_s", lambda: (dlist.release(), agent.deregister_memory(handle)))
     t0 = time.perf_counter()
-    ep = Endpoint(f"kit-reg-ep-{name}", reg, {"whole": rows}, mem_type=table.mem_type, listen=None, huge_pages="off")
+    ep = Endpoint(
+        f"kit-reg-ep-{name}",
+        reg,
+        {"whole": rows},
+        mem_type=table.mem_type,
+        listen=None,
+        huge_pages="off",
+        ucx_error_handling_mode=error_mode,
+    )
     open_s = time.perf_counter() - t0
     ep.close()
     left = ep.handle_counts()

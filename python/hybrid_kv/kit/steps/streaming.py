@@ -75,9 +75,9 @@ class Forward:
         base = 100 + 4 * idx
         self.stale, self.final, self.dseed = base, base + 1, base + 2
         self.pspec = RankSpec(f"kit-s{idx}-prefill", "prefill", 0, 1, 1, "push", name, ps.num_blocks, self.stale,
-                              cfg.device, cfg.chunk, DEADLINE_S)  # fmt: skip
+                              cfg.device, cfg.chunk, DEADLINE_S, cfg.ucx_error_mode)  # fmt: skip
         self.dspec = RankSpec(f"kit-s{idx}-decode", "decode", 0, 1, 1, "push", name, ds.num_blocks, self.dseed,
-                              cfg.device, cfg.chunk, DEADLINE_S)  # fmt: skip
+                              cfg.device, cfg.chunk, DEADLINE_S, cfg.ucx_error_mode)  # fmt: skip
         self.problems: list[str] = []
 
     def run(self) -> dict[str, Any]:

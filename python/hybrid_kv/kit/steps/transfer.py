@@ -78,7 +78,7 @@ class Case:
             seed = 1 + (index * 8 + (role == "decode") * 4 + r) % (MAX_SEED - 1)
             self.specs[i] = RankSpec(
                 f"kit{index}-{role}-{r}", role, r, self.tp[role], self.tp[other], mode, preset, side.num_blocks, seed,
-                cfg.device, cfg.chunk,
+                cfg.device, cfg.chunk, ucx_error_mode=cfg.ucx_error_mode,
             )  # fmt: skip
         self.started: list[int] = []
         self.problems: list[str] = []
@@ -247,6 +247,7 @@ class Case:
             "ok": not self.problems,
             "problems": self.problems,
             "mem_types": sorted({v["mem_type"] for v in info.values()}),
+            "ucx_error_mode": self.cfg.ucx_error_mode,
             "requests": len(self.requests),
             "tokens": [r.tokens for r in self.requests],
             "bytes": nbytes,
