@@ -63,7 +63,7 @@ class KitConfig:
                 registration_mib=24,
                 tokens=1200,
                 requests=3,
-                repeats=2,
+                repeats=1,
                 stream_tokens=600,
                 stream_repeats=1,
                 compute_dim=256,

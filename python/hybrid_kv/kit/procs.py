@@ -98,6 +98,12 @@ class RankProcs:
         self.events[i] = keep
         return out
 
+    def forget_events(self) -> None:
+        """Drop every event reported so far (a new case starts: request names repeat from case to case)."""
+        for i in range(len(self.conns)):
+            self.pump(i)
+            self.events[i] = []
+
     def pump(self, i: int) -> None:
         """Read the events process ``i`` has sent so far (without waiting)."""
         conn = self.conns[i]

@@ -410,18 +410,21 @@ def serve(conn: Any, log_path: str, env: dict[str, str]) -> None:
     os.dup2(fd, 2)
     os.environ.update(env)
     rank: Rank | None = None
+    broken = False  # progressing failed: reported once, tried again after the next command
     while True:
-        if rank is not None and getattr(rank, "ep", None) is not None and not conn.poll(0):
+        if rank is not None and getattr(rank, "ep", None) is not None and not broken and not conn.poll(0):
             try:
                 for e in rank.progress():
                     conn.send(("event", "landed", e))
-            except Exception:  # noqa: BLE001 - reported with the next command's answer
+            except Exception:  # noqa: BLE001 - the step reads the event and records it
                 conn.send(("event", "error", traceback.format_exc()[-2000:]))
+                broken = True
             time.sleep(POLL_SLEEP_S)
             continue
         if not conn.poll(0.05):
             continue
         cmd, kwargs = conn.recv()
+        broken = False
         if cmd == "exit":
             _flush_c_stdio()
             conn.send(("ok", cmd, None))

@@ -83,6 +83,7 @@ class Forward:
     def run(self) -> dict[str, Any]:
         from ..._core import StreamSchedule
 
+        self.procs.forget_events()
         info = self.procs.call(0, "setup", spec=self.dspec)
         self.procs.call(0, "take_requests", requests=[self.req])
         self.p = Rank(self.pspec)

@@ -89,6 +89,7 @@ class Case:
 
     def run(self) -> dict[str, Any]:
         cfg, procs = self.cfg, self.procs
+        procs.forget_events()
         info = procs.call_each({i: ("setup", {"spec": s}) for i, s in self.specs.items()})
         self.started = list(info)
         procs.call_each({i: ("take_requests", {"requests": self.requests}) for i in info})
@@ -119,6 +120,10 @@ class Case:
             if self.mode == "push":
                 self._landed(tag, rids)
         after = procs.call_each({i: ("stats", {}) for i in self.procs_of(passive)})
+        for i in info:  # a passive rank that could not progress its endpoint (an answer it could not send)
+            self.problems += [
+                f"{self.specs[i].name}: {str(e).strip().splitlines()[-1]}" for e in procs.take_events(i, "error")
+            ]
         single = self._single_bytes(actives, longest)
         copy_s = procs.call(actives[0], "copy_seconds", nbytes=nbytes, repeats=cfg.repeats)
         if cfg.corrupt:
