@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# For a GPU machine that has vLLM (the vLLM venv, network to set it up). A bare accelerator image without vLLM or
+# network (only python3 with torch and numpy) runs scripts/gpu-kit.sh instead: the whole transport below vLLM from
+# carried wheels (README, "The GPU kit").
 # The vLLM connector end to end on a GPU machine, in two parts:
 # 1. in-process (tests/integrations/gpu_e2e.py): vLLM allocates every worker's KV caches on CUDA, the connector
 #    registers them as NIXL VRAM, and each case (default Kimi-Linear pull P TP1 -> D TP2, push P TP1 -> D TP2,

@@ -24,6 +24,7 @@ EPILOG = """examples:
   hybrid-kv regions                      region table of a tiny Kimi-Linear-like layout
   hybrid-kv plan scenario.json --json    every rank's transfers for a scenario
   hybrid-kv check scenario.json          validate every rank pair before launch
+  hybrid-kv gpu-kit --out kit.json       the transport on one GPU (or --device cpu), JSON summary
 """
 
 
@@ -64,8 +65,9 @@ def one_line(message: str) -> str:
     return f"{head} {'; '.join(rest)}" if rest else head
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per command module."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per command module (``only``: that module's alone, so that the
+    others' imports are not needed)."""
     parser = OneLineParser(
         prog="hybrid-kv",
         description="Plan and run KV-cache transfers between prefill and decode for hybrid MLA+SSM models.",
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hybrid-kv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if mod.name.startswith("_"):
+        if mod.name.startswith("_") or (only is not None and mod.name != only):
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         register = getattr(module, "register", None)
@@ -84,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hybrid-kv``; returns the exit status."""
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, only: str | None = None) -> int:
+    """Entry point of ``hybrid-kv``; returns the exit status (``only``: see ``build_parser``)."""
+    parser = build_parser(only)
     try:
         args = parser.parse_args(argv)
     except ArgumentError as e:

@@ -11,7 +11,8 @@ neither read nor replayed, into its own connection or any other (to the same ser
 restarted one): no replay window, no clock and no nonce memory are needed.
 
 Keys. Every endpoint of one deployment derives the same two Curve25519 key pairs from the secret
-(HKDF-SHA256, ``cryptography``), one for servers and one for clients, each under its own label:
+(HKDF-SHA256, RFC 5869, on the standard library's HMAC: ``hkdf_sha256``), one for servers and one for clients,
+each under its own label:
 
 * a server socket uses the server secret key; its ZAP handler (``zap_reply``, run by the server's own thread)
   admits a client only if it proved it holds the client secret key;
@@ -25,12 +26,11 @@ What a request is meant for (the server's name) travels inside the authenticated
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 from typing import NamedTuple
 
 import zmq
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from zmq.utils import z85
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "ZAP_ENDPOINT",
     "CurveKeys",
     "derive_keys",
+    "hkdf_sha256",
     "make_client",
     "make_server",
     "zap_reply",
@@ -67,6 +68,13 @@ class CurveKeys(NamedTuple):
     client_secret: bytes
 
 
+def hkdf_sha256(secret: bytes, info: bytes) -> bytes:
+    """32 bytes of HKDF-SHA256 (RFC 5869) of ``secret`` under ``info``, without salt (the RFC's default: a
+    zero salt of the hash's length). One HMAC to extract, one to expand: 32 bytes are a single expand block."""
+    prk = hmac.new(b"\x00" * 32, secret, hashlib.sha256).digest()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+
 @functools.lru_cache(maxsize=8)
 def derive_keys(secret: bytes) -> CurveKeys:
     """The CURVE key pairs of the deployment holding ``secret`` (derived once per secret and process).
@@ -81,7 +89,7 @@ def derive_keys(secret: bytes) -> CurveKeys:
         )
 
     def secret_key(info: bytes) -> bytes:
-        return z85.encode(HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret))
+        return z85.encode(hkdf_sha256(secret, info))
 
     server, client = secret_key(SERVER_KEY_INFO), secret_key(CLIENT_KEY_INFO)
     return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
