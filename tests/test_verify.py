@@ -209,6 +209,34 @@ def test_mirror_refuses_an_incompatible_or_unrelated_initiator() -> None:
     assert cache.get(d1.payload, True) is m and cache.get(d1.payload, False) is not m
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_mirror_of_a_gqa_decode_wider_than_the_kv_heads(mode: str) -> None:
+    """Qwen3-Next (2 KV heads), prefill TP 2 and decode TP 4: the passive rank validated the initiator with itself
+    as the posting side, so a decode wider than the KV heads read as a swapped pair ("prefill TP 4 > decode TP 2")
+    and every verified request of such a deployment failed. Checked as the initiator checks, its moves are the
+    initiator's plan's."""
+    import hybrid_kv
+
+    p = get_preset("qwen3-next-80b-a3b")
+    blocks = 8
+
+    def payload(tp: int, rank: int, role: str) -> tuple[RegionTable, bytes]:
+        table = hybrid_kv.build_region_table(p.rank_layout(tp=tp, rank=rank, num_blocks=blocks))
+        return table, table.handshake_payload(p.engine_info(role, mode))
+
+    decode, d_payload = payload(4, 0, "decode")
+    prefill, p_payload = payload(2, 0, "prefill")
+    groups = {x["group"] for x in p.rank_layout(tp=2, rank=0, num_blocks=blocks)["layers"]}
+    ids = [[1, 2], *[[3 + g] for g in range(len(groups) - 1)]]  # attention, then one state per SSM group
+    if mode == "pull":  # decode rank 0 of 4 reads prefill rank 0 of 2
+        plan, mirror = PeerPlan(decode, [p_payload], mode).plan(ids, ids), MirrorPlan(p_payload, d_payload)
+    else:  # prefill rank 0 of 2 writes decode ranks 0 and 1 of 4
+        d1 = payload(4, 1, "decode")[1]
+        plan, mirror = PeerPlan(prefill, [d_payload, d1], mode).plan(ids, ids), MirrorPlan(d_payload, p_payload)
+    moves = np.concatenate([plan.moves(i) for i, t in enumerate(plan.transfers) if t.remote_rank == 0])
+    np.testing.assert_array_equal(mirror.moves(ids, ids), moves)
+
+
 def test_verify_policy() -> None:
     assert str(VerifyPolicy.parse("off")) == "off" and not VerifyPolicy.parse("OFF").enabled
     assert [VerifyPolicy.parse("all").selects(i) for i in range(3)] == [True] * 3

@@ -124,7 +124,10 @@ impl PyMirrorPlan {
     fn new(py: Python<'_>, own_payload: &[u8], initiator_payload: &[u8], coalesce: bool) -> PyResult<Self> {
         let own = decode_payload(own_payload).map_err(|e| e.context("own payload"))?;
         let init = decode_payload(initiator_payload)?;
-        check_peers(own_payload, std::slice::from_ref(&init), &Expected::default())?;
+        // validated as the initiator validated us: its side is the local (posting) one, as the checks assume
+        // (from this rank's side, a GQA decode wider than the KV heads was refused as a swapped P/D pair)
+        check_peers(initiator_payload, std::slice::from_ref(&own), &Expected::default())
+            .map_err(|e| e.context("initiator"))?;
         let mirror = no_panic(Kind::Plan, || Ok(py.detach(|| Mirror::new(&own, &init, coalesce))?))?;
         Ok(PyMirrorPlan {
             inner: Arc::new(mirror),
