@@ -51,8 +51,9 @@ def refusing() -> Iterator[str]:
 @pytest.fixture
 def pair() -> Iterator[tuple[Endpoint, Endpoint]]:
     src, dst = pattern(31), pattern(32)
+    served = {0: payload_for(src)}
     with (
-        Endpoint("P", registration(src.ctypes.data), tables(src.ctypes.data), metadata_provider={0: payload_for(src)}) as p,
+        Endpoint("P", registration(src.ctypes.data), tables(src.ctypes.data), metadata_provider=served) as p,
         Endpoint("D", registration(dst.ctypes.data), tables(dst.ctypes.data)) as d,
     ):
         yield p, d
@@ -86,7 +87,9 @@ def test_messages_keep_their_order_per_destination(pair: tuple[Endpoint, Endpoin
     assert got == [b"%d" % i for i in range(3 * WINDOW)]
 
 
-def test_a_message_whose_deadline_passed_in_its_queue_is_never_sent(pair: tuple[Endpoint, Endpoint], silent: str) -> None:
+def test_a_message_whose_deadline_passed_in_its_queue_is_never_sent(
+    pair: tuple[Endpoint, Endpoint], silent: str
+) -> None:
     _, d = pair
     for i in range(WINDOW):  # the window of a peer that never answers is full
         d.courier.send(silent, b"first", "Z", timeout_s=30.0, tag=("first", i))
