@@ -865,20 +865,21 @@ def cpu_count_ok() -> bool:
 CONTENT_TOKENS = 2048  # tokens of KV each request's content holds (more than any prompt here)
 
 
-def move(p: Engine, d: Engine, lengths: list[int]) -> list[tuple[int, dict[str, Any]]]:
-    """Prefill request ``i`` (a prompt of ``lengths[i]`` tokens, KV content ``i``) on ``p``, hand its
+def move(p: Engine, d: Engine, lengths: list[int], *, first: int = 0) -> list[tuple[int, dict[str, Any]]]:
+    """Prefill request ``first + i`` (a prompt of ``lengths[i]`` tokens, KV content ``first + i``) on ``p``, hand its
     ``kv_transfer_params`` to ``d`` as a router does, and run both engines until every decode request finished
     and ``p`` is idle. Returns ``(content index, kv_transfer_params as the prefill returned them)`` per request."""
-    for i, n in enumerate(lengths):
+    ids = [first + k for k in range(len(lengths))]
+    for i, n in zip(ids, lengths, strict=True):
         p.add(f"p-{i}", prompt(i, n), {"do_remote_decode": True}, i)
         p.fills[f"p-{i}"] = (i, CONTENT_TOKENS)
-    run_until([p], lambda: all(f"p-{i}" in p.outputs for i in range(len(lengths))))
+    run_until([p], lambda: all(f"p-{i}" in p.outputs for i in ids))
     reqs = []
-    for i, n in enumerate(lengths):
+    for i, n in zip(ids, lengths, strict=True):
         params = dict(p.outputs[f"p-{i}"])
         reqs.append((i, dict(params)))  # as the prefill returned them (the decode's connector consumes its copy)
         d.add(f"d-{i}", prompt(i, n), params, i)
-    run_until([p, d], lambda: all(f"d-{i}" in d.outputs for i in range(len(lengths))) and p.idle())
+    run_until([p, d], lambda: all(f"d-{i}" in d.outputs for i in ids) and p.idle())
     return reqs
 
 

@@ -139,10 +139,13 @@ class PullRecv:
                 continue
             if rank in wait.answers:  # a repeat (its sender may send again when an ack was late): the first counts
                 continue
-            if res.ok and self.links.stale(wait.link.engine_id, rank, msg.instance):
-                # the rank restarted since we linked: link again, then claim again (the new instance holds the lease)
+            engine = wait.link.engine_id
+            if res.ok and self.links.stale(engine, rank, msg.instance):
+                self.links.drop(engine, f"rank {rank} is a new instance ({msg.instance})")
+            if self.links.links.get(engine) is not wait.link:
+                # the rank restarted since we linked (or the link was dropped meanwhile): link again, then claim
+                # again (the instance answering holds the lease for this engine: it answers the same)
                 del self.waits[res.d_req]
-                self.links.drop(wait.link.engine_id, f"rank {rank} is a new instance ({msg.instance})")
                 self.start(wait.req)
                 continue
             digest = int(res.digest, 16) if res.digest else None
