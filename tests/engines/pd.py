@@ -78,6 +78,20 @@ CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         },
     ),
     "nixl": (NIXL_CONNECTOR, {}),
+    # hybrid-kv inside vLLM's MultiConnector beside vLLM's ExampleConnector, as operators combine P/D with KV
+    # offloading: MultiConnector finds its sub-connectors' classes and stats by name in vLLM's registry
+    "hybrid-kv-multi": (
+        {"kv_connector": "MultiConnector", "kv_role": "kv_both"},
+        {
+            "connectors": [
+                {
+                    **HKV_CONNECTOR,
+                    "kv_connector_extra_config": {"mode": "pull", "lease_s": LEASE_S, "transfer_timeout_s": LEASE_S},
+                },
+                {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+            ]
+        },
+    ),
 }
 FAULTY_PREFILL = {"kv_connector": "FaultyHybridKvConnector", "kv_connector_module_path": "faulty_connector"}
 """The prefill of ``hybrid-kv-push-stream`` loads this class (``tests/engines`` on its ``PYTHONPATH``)."""
@@ -141,12 +155,25 @@ class PdPair:
         ktc, extra = CONNECTORS[connector]
         engines = []
         binds = core_partition(2, [decode_tp, 1])
+        ports = {"decode": free_port_range(8), "prefill": free_port_range(8)}
         for role, bind in zip(("decode", "prefill"), binds, strict=True):
             tp = decode_tp if role == "decode" else 1
-            port = free_port_range(8)
+            port = ports[role]
             cfg = dict(ktc, engine_id=f"{model_name}-{connector}-{role}", kv_load_failure_policy="fail")
             if extra:
                 cfg["kv_connector_extra_config"] = dict(extra)
+                if role == "decode" and extra.get("mode") == "push":  # a concurrent push names a known engine
+                    known = f"{model_name}-{connector}-prefill@127.0.0.1:{ports['prefill']}"
+                    cfg["kv_connector_extra_config"]["peer_engines"] = known
+            if connector == "hybrid-kv-multi":  # the example connector's own folder per engine
+                storage = str(log_dir / f"{model_name}-{role}-example-connector")
+                cfg["kv_connector_extra_config"] = dict(
+                    extra,
+                    connectors=[
+                        extra["connectors"][0],
+                        dict(extra["connectors"][1], kv_connector_extra_config={"shared_storage_path": storage}),
+                    ],
+                )
             e_env = {"HYBRID_KV_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
             if DEVICE == "cpu":
                 e_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
