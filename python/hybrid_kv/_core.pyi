@@ -293,6 +293,17 @@ def expand_rows(rows: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """``(N, 5)`` strided (or ``(N, 3)``) uint64 descriptor rows expanded to ``(M, 3)`` ``(addr, len, device)`` in
     descriptor-id order; raises ``ValueError`` naming the bad row and the limit."""
 
+def check_transfer_ids(
+    local_ends: npt.NDArray[np.uint64],
+    local_lens: npt.NDArray[np.uint64],
+    local_ids: npt.NDArray[np.int32],
+    remote: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int32]] | None = None,
+) -> tuple[str, int] | None:
+    """The first problem with a transfer's int32 descriptor ids against tables given as their rows' exclusive ends
+    in flat ids and their rows' descriptor lengths: ``None``, or ``("local" | "remote", position)`` (an id out of
+    range), ``("count", 0)`` or ``("length", position)`` (a pair of different lengths; with ``remote`` only).
+    Raises ``ValueError`` for a non-contiguous array or a table whose ends and lengths differ in length."""
+
 def handshake_target_ranks(tp_rank: int, tp_size: int, remote_tp: int) -> list[int]:
     """The remote ranks ``tp_rank`` of ``tp_size`` exchanges data with (one when the local TP is the larger, else
     the ``remote_tp / tp_size`` ranks its shard spans); ``PeerPlan`` expects exactly these. Raises ``PlanError``."""
