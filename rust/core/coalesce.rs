@@ -51,9 +51,10 @@ pub const MAX_CHUNK_LOG2: u32 = 6;
 /// Number of chunk rows (nonempty or not) per coalesced region: `2^(J+1) - 2`.
 pub const CHUNK_ROWS: usize = (1 << (MAX_CHUNK_LOG2 + 1)) - 2;
 
-/// Flat start of every chunk row of one region, indexed by `2^j - 2 + p`.
+/// Flat start of every chunk row of one region, indexed by `2^j - 2 + p`, and the region's unit count (the
+/// starts relative to the first depend on it alone).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkStarts(Vec<u64>);
+pub struct ChunkStarts(Vec<u64>, u64);
 
 impl ChunkStarts {
     /// Descriptor id of the run of `2^j` units (`j >= 1`) starting at unit `k` of the region.
@@ -66,8 +67,21 @@ impl ChunkStarts {
     /// The flat start of the region's first chunk row, and the starts relative to it (which depend on the
     /// region's unit count alone, so regions of equal counts share them).
     pub fn split_base(&self) -> (u64, ChunkStarts) {
-        let base = self.0.first().copied().unwrap_or(0);
-        (base, ChunkStarts(self.0.iter().map(|s| s - base).collect()))
+        let base = self.base();
+        (base, ChunkStarts(self.0.iter().map(|s| s - base).collect(), self.1))
+    }
+
+    /// The flat start of the region's first chunk row.
+    pub fn base(&self) -> u64 {
+        self.0.first().copied().unwrap_or(0)
+    }
+
+    /// Whether `rel` is `split_base().1`: the starts of a region of as many units, relative to its first (a
+    /// count comparison, since `push_chunk_rows` derives the relative starts from the count alone).
+    pub fn relative_is(&self, rel: &ChunkStarts) -> bool {
+        let same = self.1 == rel.1;
+        debug_assert_eq!(same, *rel == self.split_base().1);
+        same
     }
 }
 
@@ -85,42 +99,53 @@ pub fn dense_row(table: &DescTable, start: u64, count: u64) -> Option<StridedRow
 ///
 /// Plain loops with shifts (an iterator chain spent a third of a DeepSeek-V3 peer plan's construction on a
 /// division by the power-of-two chunk size and on spilled iterator state). A row of at least
-/// `2^(J+1) - 1` units (every real region) has no empty chunk row, so its rows and starts are written as
-/// fixed-length runs per `j`, without a branch or a capacity check per row.
+/// `2^(J+1) - 1` units (every real region) has no empty chunk row: its starts are written into place with the
+/// running id in a register (pushing them one by one kept it in memory, behind each push's capacity check:
+/// two fifths of the rows' construction), then its rows as fixed-length runs per `j`.
 fn push_chunk_rows(
     row: &StridedRow,
     next: &mut u64,
     (rows, row_starts): (&mut Vec<StridedRow>, &mut Vec<u64>),
     starts: &mut Vec<u64>,
 ) {
-    let none_empty = row.count >= (2 << MAX_CHUNK_LOG2) - 1;
-    for j in 1..=MAX_CHUNK_LOG2 {
-        let len = row.len << j;
-        let phases = 1u64 << j;
-        let first = starts.len();
-        for p in 0..phases {
-            starts.push(*next);
-            *next += row.count.saturating_sub(p) >> j;
-        }
-        let chunk = |p: u64| StridedRow {
-            addr: row.addr + p * row.len,
-            len,
-            device: row.device,
-            stride: len,
-            count: row.count.saturating_sub(p) >> j,
-        };
-        if none_empty {
-            row_starts.extend_from_slice(&starts[first..]);
-            rows.extend((0..phases).map(chunk));
-            continue;
-        }
-        for p in 0..phases {
-            let c = chunk(p);
-            if c.count > 0 {
-                row_starts.push(starts[first + p as usize]);
-                rows.push(c);
+    let chunk = |j: u32, p: u64| StridedRow {
+        addr: row.addr + p * row.len,
+        len: row.len << j,
+        device: row.device,
+        stride: row.len << j,
+        count: row.count.saturating_sub(p) >> j,
+    };
+    if row.count < (2 << MAX_CHUNK_LOG2) - 1 {
+        for j in 1..=MAX_CHUNK_LOG2 {
+            for p in 0..1u64 << j {
+                starts.push(*next);
+                let c = chunk(j, p);
+                *next += c.count;
+                if c.count > 0 {
+                    row_starts.push(starts[starts.len() - 1]);
+                    rows.push(c);
+                }
             }
         }
+        return;
+    }
+    let first = starts.len();
+    starts.resize(first + CHUNK_ROWS, 0);
+    let mut id = *next;
+    let mut at = first;
+    for j in 1..=MAX_CHUNK_LOG2 {
+        let phases = 1usize << j;
+        for (p, s) in starts[at..at + phases].iter_mut().enumerate() {
+            *s = id;
+            id += (row.count - p as u64) >> j;
+        }
+        at += phases;
+    }
+    *next = id;
+    row_starts.extend_from_slice(&starts[first..]);
+    rows.reserve(CHUNK_ROWS);
+    for j in 1..=MAX_CHUNK_LOG2 {
+        rows.extend((0..1u64 << j).map(|p| chunk(j, p)));
     }
 }
 
@@ -150,7 +175,7 @@ pub fn with_chunk_rows(
         };
         let mut s = Vec::with_capacity(CHUNK_ROWS);
         push_chunk_rows(&row, &mut next, (&mut rows, &mut row_starts), &mut s);
-        starts.push(Some(ChunkStarts(s)));
+        starts.push(Some(ChunkStarts(s, row.count)));
     }
     (DescTable::with_starts(rows, table.num_fa, row_starts, next), starts)
 }
@@ -329,6 +354,47 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The chunk rows as the module doc defines them, one by one (rows of count 0 skipped).
+    fn naive_chunk_rows(row: &StridedRow, next: u64) -> (Vec<StridedRow>, Vec<u64>, Vec<u64>) {
+        let (mut rows, mut row_starts, mut starts, mut id) = (vec![], vec![], vec![], next);
+        for j in 1..=MAX_CHUNK_LOG2 {
+            for p in 0..1u64 << j {
+                let count = if row.count > p { (row.count - p) / (1 << j) } else { 0 };
+                starts.push(id);
+                if count > 0 {
+                    row_starts.push(id);
+                    rows.push(StridedRow {
+                        addr: row.addr + p * row.len,
+                        len: row.len * (1 << j),
+                        device: row.device,
+                        stride: row.len * (1 << j),
+                        count,
+                    });
+                }
+                id += count;
+            }
+        }
+        (rows, row_starts, starts)
+    }
+
+    #[test]
+    fn chunk_rows_are_the_naive_ones_for_every_count() {
+        for count in (2u64..300).chain([1 << 20, 100_000, 100_001]) {
+            let row = StridedRow {
+                addr: 0x10_0000,
+                len: 576,
+                device: 3,
+                stride: 576,
+                count,
+            };
+            let (mut rows, mut row_starts, mut starts, mut next) = (vec![], vec![], vec![], 7);
+            push_chunk_rows(&row, &mut next, (&mut rows, &mut row_starts), &mut starts);
+            let want = naive_chunk_rows(&row, 7);
+            assert_eq!((rows, row_starts, starts), want, "count {count}");
+            assert_eq!(next, 7 + want.0.iter().map(|r| r.count).sum::<u64>());
         }
     }
 
