@@ -343,6 +343,12 @@ def main() -> None:
     ap.add_argument("--prefill-tp", type=int, default=2)
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--profile", default="", help="write a cProfile of the decode rank's hybrid-kv rounds here")
+    ap.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help="which paths to run, comma-separated (an older tree has no 'endpoint raw'); 'bare NIXL' and 'memcpy' "
+        "are always run",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     cfg = DemoConfig(
@@ -353,6 +359,10 @@ def main() -> None:
         tokens=args.tokens,
         verify="off",
     )
+    chosen = {p.strip() for p in args.paths.split(",")} | {"bare NIXL", "memcpy"}
+    if not chosen <= set(PATHS):
+        ap.error(f"--paths: unknown {sorted(chosen - set(PATHS))}; known: {', '.join(PATHS)}")
+    paths = [p for p in PATHS if p in chosen]
     ranks = Ranks(cfg, os.path.abspath(args.profile) if args.profile else "")
     try:
         ready = ranks.collect("ready", ranks.keys("prefill") + ranks.keys("decode"))
@@ -364,13 +374,13 @@ def main() -> None:
         nbytes = sum(v[0] for v in connected.values())
         ids = sum(v[1] for v in connected.values())
         xfers = sum(v[2] for v in connected.values())
-        times: dict[str, list[float]] = {p: [] for p in PATHS}
+        times: dict[str, list[float]] = {p: [] for p in paths}
         posted: dict[str, int] = {}
         digests: dict[tuple[str, int], set[str]] = {k: set() for k in ranks.keys("decode")}
         first: dict[str, float] = {}
         for rnd in range(args.rounds + 1):  # round 0 warms up (UCX connections, caches) and is not counted
-            for k in range(len(PATHS)):
-                path = PATHS[(rnd + k) % len(PATHS)]
+            for k in range(len(paths)):
+                path = paths[(rnd + k) % len(paths)]
                 if path != "memcpy":
                     ranks.send(ranks.keys("prefill"), "serve", path)
                     ranks.collect("serving", ranks.keys("prefill"))
@@ -388,13 +398,13 @@ def main() -> None:
                     first[path] = secs
         if any(len(d) != 1 for d in digests.values()):
             raise RuntimeError(f"the NIXL paths landed different bytes: {digests}")
-        counts = {p: posted[p] for p in PATHS if p != "memcpy"}
+        counts = {p: posted[p] for p in paths if p != "memcpy"}
         if len(set(counts.values())) != 1:
             raise RuntimeError(f"the NIXL paths posted different numbers of descriptors: {counts}")
     finally:
         ranks.close()
     med = {p: statistics.median(v) for p, v in times.items()}
-    desc = posted["hybrid-kv"]
+    desc = posted["bare NIXL"]
     print(
         f"{cfg.preset}, prefill TP {cfg.prefill_tp} -> decode TP {cfg.decode_tp}, pull, {cfg.requests} requests: "
         f"{nbytes / 2**20:.1f} MiB in {desc} descriptors posted ({ids} ids, {xfers} NIXL transfers, "
@@ -402,17 +412,19 @@ def main() -> None:
     )
     print("| path | time | GB/s | us/desc | x bare NIXL | x memcpy | first round (cold) |")
     print("|---|---|---|---|---|---|---|")
-    for p in PATHS:
+    for p in paths:
         us = f"{med[p] / desc * 1e6:.2f}" if p != "memcpy" else "-"
         print(
             f"| {p} | {med[p] * 1e3:.2f} ms | {nbytes / med[p] / 1e9:.2f} | {us} | {med[p] / med['bare NIXL']:.2f} "
             f"| {med[p] / med['memcpy']:.1f} | {first[p] * 1e3:.2f} ms |"
         )
-    ratios = sorted(h / b for h, b in zip(times["hybrid-kv"], times["bare NIXL"], strict=True))
-    print(
-        f"hybrid-kv / bare NIXL, round by round: median {statistics.median(ratios):.2f}x "
-        f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]"
-    )
+    for p in paths:
+        if p not in ("bare NIXL", "memcpy"):
+            ratios = sorted(h / b for h, b in zip(times[p], times["bare NIXL"], strict=True))
+            print(
+                f"{p} / bare NIXL, round by round: median {statistics.median(ratios):.2f}x "
+                f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": nbytes, "descriptors": desc, "ids": ids, "times": times, "first": first}, f, indent=1)
