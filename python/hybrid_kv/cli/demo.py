@@ -230,7 +230,8 @@ def _floor_line(result: Any) -> str:
         return "not measured"
     return (
         f"{_ms(result.floor_s)}: {_gbps(result.bytes_moved, result.floor_s)}, the same "
-        f"{result.floor_descriptors} descriptors posted with bare NIXL calls (same handles, after verification); "
+        f"{result.floor_descriptors} descriptors posted with bare NIXL calls (same handles, after verification: the "
+        f"connection's second use, the transfer was its first); "
         f"transfer / floor {result.transfer_s / result.floor_s:.2f}x"
     )
 
