@@ -15,15 +15,24 @@ given, so the bench checks that vLLM prepped one strided row per layer). Each ca
 engine (its entries in the topology and per-engine dicts are dropped first, outside the timing), so both sides build
 a peer from scratch.
 
-Interleaved call by call (vLLM, coalesced, reference, vLLM, ...), ``--calls`` timed calls each; the median of each
-implementation's calls, ratio = vLLM / hybrid-kv (above 1: hybrid-kv is faster). On a loaded machine only these
-same-process ratios mean anything.
+Interleaved call by call (vLLM, coalesced, reference, vLLM, ...), ``--calls`` timed calls each, in ``--runs`` fresh
+processes (each its own interpreter, caches and allocator state), each run once idle and once beside ``--busy``
+processes spinning ``python3 -c "while True: pass"`` (started before the run's process, killed after it), the idle
+and loaded runs alternating. Per run the median of each implementation's calls; reported: the median over the runs
+of each median and of each run's ratio vLLM / hybrid-kv (above 1: hybrid-kv is faster), with the runs' range.
+
+What is timed on each side is what a connector does per peer engine; what either side does once per rank is done
+before the timing, on both sides: vLLM's local handles (``register_local_xfer_handler``), hybrid-kv's coalesced base
+local table (``RegionTable.chunked_bases``, shared by every plan of the rank, and its rows copied into numpy once:
+``PeerPlan.local_rows`` of a shared table). ``fresh local`` (``--fresh-local``) shows what a harness that also counts
+the latter pays: a new ``RegionTable`` per call, whose first plan builds the base table's 7,686 chunk rows and copies
+them out.
 
 ``--against DIR`` adds another build of the extension (coalesced), loaded beside this one as in
 ``benches/peer_tables.py`` (DIR holds a package ``h5old`` with that build's ``_core.cpython-*.so``).
 
 Run (vLLM 0.33 venv, no GPU needed): ``PYTHONPATH=python ~/.venvs/hybrid-kv-vllm/bin/python
-benches/peer_tables_vs_vllm.py [--against /tmp/h6-before]``
+benches/peer_tables_vs_vllm.py [--runs 3] [--busy 2] [--calls 400] [--fresh-local] [--against /tmp/h6-before]``
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -55,7 +65,12 @@ from hybrid_kv.presets import get_preset  # noqa: E402
 
 PRESET = get_preset("deepseek-v3")
 NUM_BLOCKS = 100_000
-CASES = (("P8 -> D16 pull", 8, 16, "pull"), ("P8 -> D16 push", 8, 16, "push"), ("P16 -> D8 pull", 16, 8, "pull"))
+CASES = (
+    ("P8 -> D16 pull", 8, 16, "pull"),
+    ("P8 -> D16 push", 8, 16, "push"),
+    ("P16 -> D8 pull", 16, 8, "pull"),
+    ("P16 -> D8 push", 16, 8, "push"),
+)
 REMOTE_ENGINE = "remote-engine"
 
 
@@ -197,6 +212,34 @@ def ours_peer(core: Any, p_tp: int, d_tp: int, mode: str, coalesce: bool) -> Cal
     return build
 
 
+def fresh_local_peer(core: Any, p_tp: int, d_tp: int, mode: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(reset, build) as ``ours_peer`` coalesced, with a new local ``RegionTable`` per call (made in the untimed
+    reset), so nothing the rank's earlier plans built is reused."""
+    local_tp, remote_tp, local_engine, remote_engine = (
+        (d_tp, p_tp, "decode", "prefill") if mode == "pull" else (p_tp, d_tp, "prefill", "decode")
+    )
+    local_json = json.dumps(layout(local_tp, 0))
+    payloads = [
+        core.RegionTable.from_json(json.dumps(layout(remote_tp, r))).handshake_payload(
+            PRESET.engine_info(remote_engine, mode)
+        )
+        for r in core.handshake_target_ranks(0, local_tp, remote_tp)
+    ]
+    held: list[Any] = []
+
+    def reset() -> None:
+        held[:] = [core.RegionTable.from_json(local_json)]
+
+    def build() -> None:
+        peer = core.PeerPlan(held[0], payloads, mode, coalesce=True)
+        for key in peer.table_keys:
+            peer.local_rows(key)
+        for r in peer.remote_ranks:
+            peer.remote_rows(r)
+
+    return reset, build
+
+
 def one_call_us(reset: Callable[[], None], build: Callable[[], None]) -> float:
     """Microseconds of one build, after an untimed reset."""
     reset()
@@ -205,20 +248,14 @@ def one_call_us(reset: Callable[[], None], build: Callable[[], None]) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=400, help="timed calls per implementation and case")
-    ap.add_argument("--against", help="directory holding package h5old with another build's _core (extra column)")
-    args = ap.parse_args()
+def run_once(calls: int, fresh_local: bool, against: str | None) -> dict[str, dict[str, float]]:
+    """One process's medians: ``{case: {implementation: us}}``."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    print(f"load average at start: {os.getloadavg()}", flush=True)
     other = None
-    if args.against:
-        sys.path.insert(0, args.against)
+    if against:
+        sys.path.insert(0, against)
         other = importlib.import_module("h5old._core")
-    extra = " other build coalesced | ratio |" if other else ""
-    print(f"| case | vLLM 0.33.0 add_remote_agent | hybrid-kv coalesced | ratio | hybrid-kv reference | ratio |{extra}")
-    print("|---|---|---|---|---|---|" + ("---|---|" if other else ""))
+    out: dict[str, dict[str, float]] = {}
     for name, p_tp, d_tp, mode in CASES:
         v_reset, v_build, nixl = vllm_peer(p_tp, d_tp, mode)
         v_reset()
@@ -230,24 +267,81 @@ def main() -> None:
             "coalesced": (lambda: None, ours_peer(hybrid_kv._core, p_tp, d_tp, mode, True)),
             "reference": (lambda: None, ours_peer(hybrid_kv._core, p_tp, d_tp, mode, False)),
         }
+        if fresh_local:
+            impls["fresh local"] = fresh_local_peer(hybrid_kv._core, p_tp, d_tp, mode)
         if other is not None:
             impls["other"] = (lambda: None, ours_peer(other, p_tp, d_tp, mode, True))
         times: dict[str, list[float]] = {k: [] for k in impls}
         for reset, build in impls.values():
             reset()
             build()  # warm-up
-        for _ in range(args.calls):
+        for _ in range(calls):
             for k, (reset, build) in impls.items():
                 times[k].append(one_call_us(reset, build))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        v = med["vllm"]
-        print(
-            f"| {name} | {v:.0f} us | {med['coalesced']:.0f} us | {v / med['coalesced']:.2f}x "
-            f"| {med['reference']:.0f} us | {v / med['reference']:.2f}x |"
-            + (f" {med['other']:.0f} us | {v / med['other']:.2f}x |" if other else ""),
-            flush=True,
-        )
-    print(f"load average at end: {os.getloadavg()}", flush=True)
+        out[name] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+def child(argv: list[str]) -> dict[str, dict[str, float]]:
+    """Run ``run_once`` in a fresh interpreter (this file with ``--child``) and return its medians."""
+    cmd = [sys.executable, __file__, "--child", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def busy(n: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=400, help="timed calls per implementation, case and run")
+    ap.add_argument("--runs", type=int, default=3, help="fresh processes per load condition")
+    ap.add_argument("--busy", type=int, default=2, help="spinning processes beside the loaded runs (0: idle only)")
+    ap.add_argument("--fresh-local", action="store_true", help="add a column with a new RegionTable per call")
+    ap.add_argument("--against", help="directory holding package h5old with another build's _core (extra column)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_once(args.calls, args.fresh_local, args.against)))
+        return
+    argv = ["--calls", str(args.calls)] + (["--fresh-local"] if args.fresh_local else [])
+    argv += ["--against", args.against] if args.against else []
+    loads = ["idle"] + ([f"{args.busy} busy"] if args.busy else [])
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {load: [] for load in loads}
+    for i in range(args.runs):
+        for load in loads if i % 2 == 0 else loads[::-1]:
+            spinning = busy(args.busy) if load != "idle" else []
+            try:
+                print(
+                    f"run {i + 1}/{args.runs}, {load}: load average {os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs[load].append(child(argv))
+            finally:
+                for p in spinning:
+                    p.kill()
+                    p.wait()
+    impls = [k for k in runs[loads[0]][0][CASES[0][0]] if k != "vllm"]
+    head = "".join(f" hybrid-kv {k} | ratio |" for k in impls)
+    print(
+        f"median of {args.runs} fresh-process runs, each the median of {args.calls} interleaved calls; ratio = vLLM / "
+        "hybrid-kv, per run, median [min-max]"
+    )
+    print(f"| case | load | vLLM 0.33.0 add_remote_agent |{head}")
+    print("|---|---|---|" + "---|---|" * len(impls))
+    for name, *_ in CASES:
+        for load in loads:
+            rs = [r[name] for r in runs[load]]
+            cells = []
+            for k in impls:
+                ratios = sorted(r["vllm"] / r[k] for r in rs)
+                cells.append(
+                    f" {statistics.median(r[k] for r in rs):.0f} us | **{statistics.median(ratios):.2f}x** "
+                    f"[{ratios[0]:.2f}-{ratios[-1]:.2f}] |"
+                )
+            print(f"| {name} | {load} | {statistics.median(r['vllm'] for r in rs):.0f} us |" + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -61,3 +61,19 @@ def test_fuzz_decoders_finds_no_defect_in_a_short_run(tmp_path: Path) -> None:
     for name, c in counts.items():
         assert c["defects"] == 0 and c["accepted"] + c["refused"] == 3000, name
         assert c["refused"] > 0 and c["accepted"] > 0, f"{name}: the mutations never reach both outcomes"
+
+
+def test_nixl_floor_bench_lands_the_same_bytes_on_every_path(tmp_path: Path) -> None:
+    """``benches/nixl_floor.py`` on a small batch: hybrid-kv, the endpoint's raw path and a bare NIXL agent post the
+    same descriptors between three processes (the bench raises unless the decode's memory after each path has one
+    digest and NIXL posted as many descriptors on every path); no time is asserted."""
+    import json
+
+    out = tmp_path / "floor.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    cmd = [sys.executable, str(ROOT / "benches" / "nixl_floor.py"), "--rounds", "1", "--requests", "2"]
+    cmd += ["--tokens", "300", "--json", str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["descriptors"] > 0 and set(res["times"]) == {"hybrid-kv", "endpoint raw", "bare NIXL", "memcpy"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -139,6 +140,18 @@ def test_the_readme_command_runs_to_a_verified_success(capsys: pytest.CaptureFix
     assert "VERIFIED: every byte of the decode rank's memory matches the logical model" in out
     for key in ("bytes moved", "descriptors posted", "planning", "transfer", "memcpy"):
         assert key in out
+    # the phases of the transfer each on its line with its own throughput (the default verifies every request);
+    # rich wraps long lines, so they are read with their whitespace collapsed
+    flat = " ".join(out.split())
+    transfer = r" transfer [\d.]+ (ms|µs) in the slowest rank: [\d.]+ GB/s \(verification excluded; [\d.]+ (ms|µs) with"
+    assert re.search(transfer, flat), out
+    posted = re.search(r" descriptors posted (\d+) by NIXL", flat)
+    assert posted, out
+    floor = rf" NIXL floor [\d.]+ (ms|µs): [\d.]+ GB/s, the same {posted[1]} descriptors posted with bare NIXL calls"
+    assert re.search(floor, flat), out
+    assert re.search(r" memcpy one contiguous memcpy of the same bytes: [\d.]+ GB/s", flat), out
+    digests = r" verify=all: 16 requests checked on the decode ranks, no mismatch .* 14\.3 MiB in [\d.]+ (ms|µs) .*GB/s"
+    assert re.search(digests, flat), out
 
 
 def test_push_into_more_decode_ranks_of_a_gqa_model_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -150,6 +163,9 @@ def test_push_into_more_decode_ranks_of_a_gqa_model_json(capsys: pytest.CaptureF
     assert res["requests"] == 4 and res["bytes_moved"] > 0 and res["descriptors"] > 0
     # what NIXL posted (telemetry, after merging consecutive ids) is never more than the ids handed to it
     assert res["descriptors"] <= res["descriptor_ids"]
+    # the NIXL floor posted the very same descriptors again (NIXL's own count), after the bytes were verified
+    assert res["floor_descriptors"] == res["descriptors"] and res["floor_s"] > 0
+    assert 0 < res["transfer_s"] <= res["transfer_total_s"] and res["verified_bytes"] == res["bytes_moved"]
     decode_ranks, tensors = 2, 2  # every byte of both decode ranks' pools is compared
     assert res["bytes_verified"] == decode_ranks * tensors * res["decode"]["num_blocks"] * res["decode"]["page_bytes"]
 

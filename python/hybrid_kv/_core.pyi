@@ -210,7 +210,8 @@ class PeerPlan:
     def local_descs(self, key: str) -> npt.NDArray[np.uint64]: ...
     def local_rows(self, key: str) -> npt.NDArray[np.uint64]: ...
     def remote_descs(self, rank: int) -> npt.NDArray[np.uint64]: ...
-    def remote_rows(self, rank: int) -> npt.NDArray[np.uint64]: ...
+    def remote_rows(self, rank: int) -> npt.NDArray[np.uint64]:
+        """Remote rank ``rank``'s strided ``(rows, 5)`` rows: a read-only view of the plan's own rows (no copy)."""
     def table_descriptors(self, key: str) -> int:
         """Descriptors of local table ``key`` once expanded; raises ``PlanError`` for no such table."""
     def resolve(
@@ -292,6 +293,17 @@ def check_scenario(scenario_json: str, *, coalesce: bool = True, ranks: bool = F
 def expand_rows(rows: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """``(N, 5)`` strided (or ``(N, 3)``) uint64 descriptor rows expanded to ``(M, 3)`` ``(addr, len, device)`` in
     descriptor-id order; raises ``ValueError`` naming the bad row and the limit."""
+
+def check_transfer_ids(
+    local_ends: npt.NDArray[np.uint64],
+    local_lens: npt.NDArray[np.uint64],
+    local_ids: npt.NDArray[np.int32],
+    remote: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int32]] | None = None,
+) -> tuple[str, int] | None:
+    """The first problem with a transfer's int32 descriptor ids against tables given as their rows' exclusive ends
+    in flat ids and their rows' descriptor lengths: ``None``, or ``("local" | "remote", position)`` (an id out of
+    range), ``("count", 0)`` or ``("length", position)`` (a pair of different lengths; with ``remote`` only).
+    Raises ``ValueError`` for a non-contiguous array or a table whose ends and lengths differ in length."""
 
 def handshake_target_ranks(tp_rank: int, tp_size: int, remote_tp: int) -> list[int]:
     """The remote ranks ``tp_rank`` of ``tp_size`` exchanges data with (one when the local TP is the larger, else

@@ -51,24 +51,61 @@ pub const MAX_CHUNK_LOG2: u32 = 6;
 /// Number of chunk rows (nonempty or not) per coalesced region: `2^(J+1) - 2`.
 pub const CHUNK_ROWS: usize = (1 << (MAX_CHUNK_LOG2 + 1)) - 2;
 
-/// Flat start of every chunk row of one region, indexed by `2^j - 2 + p`.
+/// Flat start of every chunk row of one region, indexed by `2^j - 2 + p`: the region's first chunk start plus
+/// starts relative to it, which depend on the region's unit count alone (so regions of equal counts share one
+/// copy of them).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkStarts(Vec<u64>);
+pub struct ChunkStarts {
+    base: u64,
+    rel: Arc<[u64]>,
+    units: u64,
+}
 
 impl ChunkStarts {
     /// Descriptor id of the run of `2^j` units (`j >= 1`) starting at unit `k` of the region.
     #[inline]
     pub fn id(&self, k: u64, j: u32) -> u64 {
         let size = 1u64 << j;
-        self.0[(size - 2 + (k & (size - 1))) as usize] + (k >> j)
+        self.base + self.rel[(size - 2 + (k & (size - 1))) as usize] + (k >> j)
     }
 
     /// The flat start of the region's first chunk row, and the starts relative to it (which depend on the
     /// region's unit count alone, so regions of equal counts share them).
     pub fn split_base(&self) -> (u64, ChunkStarts) {
-        let base = self.0.first().copied().unwrap_or(0);
-        (base, ChunkStarts(self.0.iter().map(|s| s - base).collect()))
+        let rel = ChunkStarts {
+            base: 0,
+            rel: Arc::clone(&self.rel),
+            units: self.units,
+        };
+        (self.base, rel)
     }
+
+    /// The flat start of the region's first chunk row.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Whether `rel` is `split_base().1`: the starts of a region of as many units, relative to its first (a
+    /// count comparison, since [`relative_starts`] derives them from the count alone).
+    pub fn relative_is(&self, rel: &ChunkStarts) -> bool {
+        let same = self.units == rel.units;
+        debug_assert_eq!(same, *rel == self.split_base().1);
+        same
+    }
+}
+
+/// The chunk rows' starts relative to the first, indexed by `2^j - 2 + p`, of a dense region of `units` units
+/// (empty rows included: they take no ids), and how many descriptors they add.
+fn relative_starts(units: u64) -> (Arc<[u64]>, u64) {
+    let mut rel = Vec::with_capacity(CHUNK_ROWS);
+    let mut id = 0u64;
+    for j in 1..=MAX_CHUNK_LOG2 {
+        for p in 0..1u64 << j {
+            rel.push(id);
+            id += units.saturating_sub(p) >> j;
+        }
+    }
+    (rel.into(), id)
 }
 
 /// The region's dense unit row `(row, unit bytes)` when the flat range `[start, start + count)` of `table`
@@ -80,45 +117,45 @@ pub fn dense_row(table: &DescTable, start: u64, count: u64) -> Option<StridedRow
     (starts[i] == start && row.count == count && row.len == row.stride && count >= 2).then_some(*row)
 }
 
-/// Append the chunk rows of a dense unit row to `rows`, in `(j, p)` order (rows of count 0 skipped: they add
-/// no descriptors), and each one's flat start to `starts`; `next` is the flat index the first one takes.
+/// Append the chunk rows of a dense unit row to `rows`, in `(j, p)` order, rows of count 0 skipped (they add no
+/// descriptors).
 ///
-/// Plain loops with shifts (an iterator chain spent a third of a DeepSeek-V3 peer plan's construction on a
-/// division by the power-of-two chunk size and on spilled iterator state). A row of at least
-/// `2^(J+1) - 1` units (every real region) has no empty chunk row, so its rows and starts are written as
-/// fixed-length runs per `j`, without a branch or a capacity check per row.
-fn push_chunk_rows(
-    row: &StridedRow,
-    next: &mut u64,
-    (rows, row_starts): (&mut Vec<StridedRow>, &mut Vec<u64>),
-    starts: &mut Vec<u64>,
-) {
-    let none_empty = row.count >= (2 << MAX_CHUNK_LOG2) - 1;
-    for j in 1..=MAX_CHUNK_LOG2 {
-        let len = row.len << j;
-        let phases = 1u64 << j;
-        let first = starts.len();
-        for p in 0..phases {
-            starts.push(*next);
-            *next += row.count.saturating_sub(p) >> j;
-        }
-        let chunk = |p: u64| StridedRow {
+/// A row of at least `2^(J+1) - 1` units (every real region) has no empty chunk row: its rows are written as
+/// fixed-length runs, one per `j` with the shift a constant (an iterator chain dividing by the chunk size, and
+/// then a shift by a variable, were most of the rows' construction).
+fn push_chunk_rows(row: &StridedRow, rows: &mut Vec<StridedRow>) {
+    fn run<const J: u32>(row: &StridedRow, rows: &mut Vec<StridedRow>) {
+        let len = row.len << J;
+        rows.extend((0..1u64 << J).map(|p| StridedRow {
             addr: row.addr + p * row.len,
             len,
             device: row.device,
             stride: len,
-            count: row.count.saturating_sub(p) >> j,
-        };
-        if none_empty {
-            row_starts.extend_from_slice(&starts[first..]);
-            rows.extend((0..phases).map(chunk));
-            continue;
-        }
-        for p in 0..phases {
-            let c = chunk(p);
-            if c.count > 0 {
-                row_starts.push(starts[first + p as usize]);
-                rows.push(c);
+            count: (row.count - p) >> J,
+        }));
+    }
+    const _: () = assert!(MAX_CHUNK_LOG2 == 6, "push_chunk_rows writes runs for j = 1..=6");
+    if row.count >= (2 << MAX_CHUNK_LOG2) - 1 {
+        rows.reserve(CHUNK_ROWS);
+        run::<1>(row, rows);
+        run::<2>(row, rows);
+        run::<3>(row, rows);
+        run::<4>(row, rows);
+        run::<5>(row, rows);
+        run::<6>(row, rows);
+        return;
+    }
+    for j in 1..=MAX_CHUNK_LOG2 {
+        for p in 0..1u64 << j {
+            let count = row.count.saturating_sub(p) >> j;
+            if count > 0 {
+                rows.push(StridedRow {
+                    addr: row.addr + p * row.len,
+                    len: row.len << j,
+                    device: row.device,
+                    stride: row.len << j,
+                    count,
+                });
             }
         }
     }
@@ -140,6 +177,7 @@ pub fn with_chunk_rows(
     row_starts.extend_from_slice(table.row_starts());
     let mut next = table.len();
     let mut starts = Vec::with_capacity(coalesce.len());
+    let mut last: Option<(u64, Arc<[u64]>, u64)> = None; // the relative starts of the last unit count seen
     for r in 0..coalesce.len() {
         let dense = coalesce[r]
             .then(|| dense_row(table, region_start[r], region_count[r]))
@@ -148,9 +186,28 @@ pub fn with_chunk_rows(
             starts.push(None);
             continue;
         };
-        let mut s = Vec::with_capacity(CHUNK_ROWS);
-        push_chunk_rows(&row, &mut next, (&mut rows, &mut row_starts), &mut s);
-        starts.push(Some(ChunkStarts(s)));
+        let (rel, added) = match &last {
+            Some((units, rel, added)) if *units == row.count => (Arc::clone(rel), *added),
+            _ => {
+                let (rel, added) = relative_starts(row.count);
+                last = Some((row.count, Arc::clone(&rel), added));
+                (rel, added)
+            }
+        };
+        let first = rows.len();
+        push_chunk_rows(&row, &mut rows);
+        if rows.len() - first == CHUNK_ROWS {
+            row_starts.extend(rel.iter().map(|s| next + s));
+        } else {
+            let counts = rows[first..].iter().map(|c| c.count);
+            row_starts.extend(counts.scan(next, |id, c| Some(std::mem::replace(id, *id + c))));
+        }
+        starts.push(Some(ChunkStarts {
+            base: next,
+            rel,
+            units: row.count,
+        }));
+        next += added;
     }
     (DescTable::with_starts(rows, table.num_fa, row_starts, next), starts)
 }
@@ -329,6 +386,73 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The chunk rows as the module doc defines them, one by one (rows of count 0 skipped).
+    fn naive_chunk_rows(row: &StridedRow, next: u64) -> (Vec<StridedRow>, Vec<u64>, Vec<u64>) {
+        let (mut rows, mut row_starts, mut starts, mut id) = (vec![], vec![], vec![], next);
+        for j in 1..=MAX_CHUNK_LOG2 {
+            for p in 0..1u64 << j {
+                let count = if row.count > p { (row.count - p) / (1 << j) } else { 0 };
+                starts.push(id);
+                if count > 0 {
+                    row_starts.push(id);
+                    rows.push(StridedRow {
+                        addr: row.addr + p * row.len,
+                        len: row.len * (1 << j),
+                        device: row.device,
+                        stride: row.len * (1 << j),
+                        count,
+                    });
+                }
+                id += count;
+            }
+        }
+        (rows, row_starts, starts)
+    }
+
+    #[test]
+    fn chunk_rows_are_the_naive_ones_for_every_count() {
+        for count in (2u64..300).chain([1 << 20, 100_000, 100_001]) {
+            let row = StridedRow {
+                addr: 0x10_0000,
+                len: 576,
+                device: 3,
+                stride: 576,
+                count,
+            };
+            let ssm = StridedRow {
+                addr: 0x9000_0000,
+                len: 4,
+                device: 3,
+                stride: 16,
+                count: 2,
+            };
+            // two dense regions of the same count (one copy of the relative starts), an SSM row between them
+            let t = DescTable::new(vec![row, ssm, StridedRow { addr: 0x80_0000, ..row }], 2 * count + 2);
+            let (c, starts) = with_chunk_rows(&t, &[0, count + 2], &[count, count], &[true, true]);
+            let (rows0, row_starts0, starts0) = naive_chunk_rows(&row, t.len());
+            let next = t.len() + rows0.iter().map(|r| r.count).sum::<u64>();
+            let (rows1, row_starts1, starts1) = naive_chunk_rows(&StridedRow { addr: 0x80_0000, ..row }, next);
+            assert_eq!(c.rows[3..], [rows0, rows1].concat(), "count {count}");
+            assert_eq!(
+                c.row_starts()[3..],
+                [row_starts0, row_starts1].concat(),
+                "count {count}"
+            );
+            assert_eq!(
+                c,
+                DescTable::new(c.rows.clone(), t.num_fa),
+                "starts and total agree with the rows"
+            );
+            for (s, want) in starts.iter().zip([starts0, starts1]) {
+                let s = s.as_ref().unwrap();
+                let got: Vec<u64> = (0..CHUNK_ROWS).map(|i| s.base + s.rel[i]).collect();
+                assert_eq!(got, want, "count {count}");
+            }
+            let (a, b) = (starts[0].as_ref().unwrap(), starts[1].as_ref().unwrap());
+            assert!(Arc::ptr_eq(&a.rel, &b.rel) && a.relative_is(&b.split_base().1));
         }
     }
 

@@ -6,6 +6,7 @@ pub mod coalesce;
 pub mod descs;
 pub mod error;
 pub mod handshake;
+pub mod id_pairs;
 pub mod layout;
 pub mod meta;
 pub mod plan;

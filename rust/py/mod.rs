@@ -16,6 +16,8 @@ mod digest;
 #[cfg(feature = "python")]
 mod handshake;
 #[cfg(feature = "python")]
+mod id_pairs;
+#[cfg(feature = "python")]
 mod ids;
 #[cfg(feature = "python")]
 mod plan;
@@ -58,6 +60,9 @@ mod _core {
 
     #[pymodule_export]
     use super::arrays::expand_rows;
+
+    #[pymodule_export]
+    use super::id_pairs::check_transfer_ids;
 
     #[pymodule_export]
     use super::handshake::{

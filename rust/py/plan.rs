@@ -6,7 +6,7 @@ use std::sync::Arc;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use super::arrays::{flat_descs, u64_matrix};
+use super::arrays::{flat_descs, strided_view, u64_matrix};
 use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::to_py;
@@ -221,16 +221,19 @@ impl PyPeerPlan {
         flat_descs(py, t)
     }
 
-    /// Remote rank `rank`'s table as strided `(rows, 5)` uint64 rows.
+    /// Remote rank `rank`'s table as strided `(rows, 5)` uint64 rows: a read-only view of the plan's own rows
+    /// (not a copy), which keeps the plan alive.
     ///
     /// Raises:
     ///     PlanError: `rank` was not handshaked.
-    fn remote_rows<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        let t = self
+    fn remote_rows<'py>(slf: &Bound<'py, Self>, rank: u32) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let t = slf
+            .get()
             .inner
             .remote_table(rank)
             .ok_or_else(|| Error::plan(format!("no remote rank {rank}")))?;
-        u64_matrix(py, t.to_strided(), 5)
+        // The plan is frozen and holds its tables behind an `Arc` it never replaces.
+        strided_view(slf.as_any(), t)
     }
 
     /// Descriptors of local table `key` once expanded (what its strided rows stand for).

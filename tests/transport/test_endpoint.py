@@ -2,15 +2,17 @@
 handshake failures, queued requests, passive deadlines and handle accounting."""
 
 import re
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 from _peers import BLOCK, BLOCKS, expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
 
-from hybrid_kv.transport import Endpoint, HandshakeError, RequestState, TransferError
+from hybrid_kv.transport import Endpoint, HandshakeError, RequestState, Transfer, TransferError
 from hybrid_kv.transport.side_channel import SideChannelServer
 
 ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
@@ -446,3 +448,27 @@ def test_a_read_only_table_given_to_several_scopes_is_prepped_once(
     d.remove_local_tables("c")
     d.remove_local_tables("e")
     assert d.handle_counts()["local_dlists"] == base
+
+
+def test_post_raw_moves_the_bytes_with_bare_nixl_calls_on_the_endpoints_handles(
+    pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
+) -> None:
+    """The NIXL floor the demo measures: the transfer posted without checks or bookkeeping still moves exactly its
+    bytes, NIXL merges the consecutive ids as for ``post``, and the peer gets a notice it does not take for a
+    hybrid-kv one."""
+    p, d, src, dst = pair
+    d.connect(0, p.address, tables_from_payload, timeout_s=2.0)
+    before = dst.copy()
+    t = Transfer(0, "whole", "whole", ids(0, 1, 2, 3, 5), ids(4, 5, 6, 7, 2))
+    got: list[Any] = []
+    poster = threading.Thread(target=lambda: got.append(d.post_raw([(t, b"1:raw-0")], "READ", 5.0)))
+    poster.start()  # the passive side is progressed here meanwhile, as its own process would
+    notifs = pump(p, lambda e: bool(e.notifs), 5.0).notifs
+    poster.join(5.0)
+    (res,) = got
+    assert (res.descriptors, res.bytes) == (2, 5 * BLOCK) and res.seconds > 0
+    assert np.array_equal(dst, expected_after(before, src, "whole", [0, 1, 2, 3, 5], [4, 5, 6, 7, 2]))
+    assert notifs == [("D", b"hkv:raw:0:1:raw-0")]
+    assert d.handle_counts()["xfer"] == 0 and d.handle_counts()["zombie_xfer"] == 0
+    with pytest.raises(TransferError, match="peer 1 is not ready"):
+        d.post_raw([(t._replace(peer=1), b"x")], "READ")

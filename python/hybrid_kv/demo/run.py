@@ -25,9 +25,9 @@ from .worker import WorkerSpec, memcpy_gbps
 
 Event = Callable[[str, dict[str, Any]], None]
 
-PHASES = ("startup", "handshake", "fill", "planning", "transfer", "verify", "shutdown")
+PHASES = ("startup", "handshake", "fill", "planning", "transfer", "verify", "floor", "shutdown")
 """The demo's phases, in order: each is timed by the coordinator from its command to the last rank's answer."""
-PROGRESS = ("ready", "connected", "request_filled", "planned", "request_done", "pool_verified", "closed")
+PROGRESS = ("ready", "connected", "request_filled", "planned", "request_done", "pool_verified", "floor", "closed")
 """Rank messages that advance the current phase's progress by one."""
 
 
@@ -108,9 +108,20 @@ class DemoResult:
     handshake_s: float = 0.0
     plan_s: float = 0.0
     transfer_s: float = 0.0
+    """The slowest active rank's transfer, verification excluded (its time posting and waiting for NIXL)."""
+    transfer_total_s: float = 0.0
+    """The slowest active rank's transfer with the verification it ran on the way (asking, digesting)."""
     verify_s: float = 0.0
     gbps: float = 0.0
+    """``bytes_moved / transfer_s``."""
     memcpy_gbps: float = 0.0
+    floor_s: float = 0.0
+    """The NIXL floor: the slowest active rank posting the same transfers again with bare NIXL calls on the same
+    handles (``Endpoint.post_raw``), after verification."""
+    floor_descriptors: int = 0
+    """Descriptors NIXL posted in the floor pass (telemetry; equal to ``descriptors``)."""
+    floor_gbps: float = 0.0
+    """``bytes_moved / floor_s``."""
     bytes_verified: int = 0
     """Decode memory compared with the logical model (every byte of every decode rank)."""
     prefill_bytes_verified: int = 0
@@ -128,7 +139,11 @@ class DemoResult:
     digested_requests: int = 0
     """Requests whose digests were compared on the decode ranks (each decode rank's count, summed)."""
     digest_s: float = 0.0
-    """Time the slowest checking rank spent digesting (pull: also waiting for the prefill's answers)."""
+    """Time the slowest checking rank spent verifying (pull: digesting and waiting for the prefill's answers)."""
+    digest_ask_s: float = 0.0
+    """Of ``digest_s`` (pull), the slowest decode rank's wait for the prefill ranks' digests (round trips)."""
+    verified_bytes: int = 0
+    """Bytes of the requests verified end to end (what the checking ranks digested)."""
     digest_mismatches: list[str] = field(default_factory=list)
     """Requests failed by a digest mismatch, as ``decode rank R: <the failure>`` (each is also a problem)."""
 
@@ -362,14 +377,17 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
                 senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
                 ranks.send([("decode", d)], "expect", senders, payloads)
         moved = ranks.collect("transferred", ranks.keys(active))
-        for (role, rank), (count, secs, mismatches) in sorted(ranks.collect("digests", ranks.keys()).items()):
+        for (role, rank), (count, secs, mismatches, ask_s) in sorted(ranks.collect("digests", ranks.keys()).items()):
             if role == "decode":  # the checking side in both modes
                 result.digested_requests += count
                 result.digest_s = max(result.digest_s, secs)
+                result.digest_ask_s = max(result.digest_ask_s, ask_s)
                 result.digest_mismatches += [f"decode rank {rank}: {m}" for m in mismatches]
-        for plan_s, transfer_s, ids, posted, nbytes, _n, xfers in moved.values():
+        for plan_s, transfer_s, ids, posted, nbytes, _n, xfers, total_s, vbytes in moved.values():
             result.plan_s += plan_s
             result.transfer_s = max(result.transfer_s, transfer_s)
+            result.transfer_total_s = max(result.transfer_total_s, total_s)
+            result.verified_bytes += vbytes
             result.descriptor_ids += ids
             result.descriptors += posted
             result.bytes_moved += nbytes
@@ -392,6 +410,11 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
                 result.problems.append(f"{role} rank {rank}: {problem}")
         result.problems = result.digest_mismatches + result.problems
         result.verified = not result.problems
+        clock.start("floor", f"NIXL floor: the same transfers with bare NIXL calls ({active} ranks)", n_active)
+        ranks.send(ranks.keys(active), "floor")
+        for secs, descs, _nbytes in ranks.collect("floor", ranks.keys(active)).values():
+            result.floor_s = max(result.floor_s, secs)
+            result.floor_descriptors += descs
         clean = True
     finally:
         clock.stop()
@@ -399,6 +422,7 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         ranks.close(clean)  # emits its own stage: shutdown
         clock.phases["shutdown"] = time.perf_counter() - t0
     result.gbps = result.bytes_moved / result.transfer_s / 1e9 if result.transfer_s else 0.0
+    result.floor_gbps = result.bytes_moved / result.floor_s / 1e9 if result.floor_s else 0.0
     result.memcpy_gbps = memcpy_gbps(result.bytes_moved)
     result.phases = {p: clock.phases.get(p, 0.0) for p in PHASES}
     result.startup_s = result.phases["startup"]

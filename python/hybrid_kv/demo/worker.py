@@ -104,6 +104,8 @@ class _Worker:
         self.link: Any = None
         self.requests: list[Request] = []
         self.digest_s = 0.0  # this rank's time computing digests and waiting for its peers' (active ranks)
+        self.ask_s = 0.0  # of which waiting for the prefill ranks' digests (pull: the decode asks before its READ)
+        self.plans: list[Any] = []  # each request's transfers (active ranks), posted again for the NIXL floor
         self.digested = 0  # requests this rank verified (active ranks) or answered digests for (passive)
         self.mismatches: list[str] = []  # this rank's requests failed by a digest mismatch (only they may fail)
 
@@ -233,11 +235,14 @@ class _Worker:
         elif spec.role == "decode":  # push: await the prefill ranks' writes
             senders, payloads = self.wait("expect")
             self._await_pushes(senders, payloads)
-        self.send("digests", self.digested, self.digest_s, self.mismatches)
+        self.send("digests", self.digested, self.digest_s, self.mismatches, self.ask_s)
         (corrupt,) = self.wait("verify")
         if corrupt is not None and spec.rank == 0:
             self._corrupt(corrupt)
         self._verify()
+        if spec.active:
+            self.wait("floor")
+            self._floor()
         self.wait("finish")
 
     # ------------------------------------------------------------------ transfers
@@ -259,6 +264,7 @@ class _Worker:
         }
         if spec.mode == "push":
             self.send("targets", targets)
+        self.plans = plans
         pending = set()
         handles = []
         t0 = time.perf_counter()
@@ -271,10 +277,33 @@ class _Worker:
             else:
                 self.send("request_done", r.rid)
         self._wait_done(pending)
-        transfer_s = time.perf_counter() - t0
+        total_s = time.perf_counter() - t0
+        # one thread posts, waits and verifies: its time outside verification (asking the peers for their
+        # digests, digesting) is the transfer's own
+        transfer_s = max(0.0, total_s - self.digest_s)
         posted = sum(h.stats.descriptors for h in handles)  # NIXL's telemetry: after it merged the ids
         xfers = sum(len(p) for p in plans)
-        self.send("transferred", plan_s, transfer_s, descs, posted, nbytes, len(plans), xfers)
+        vbytes = sum(
+            self.planner.transfer_bytes(t)
+            for r, p in zip(self.requests, plans, strict=True)
+            if r.rid in checks
+            for t in p
+        )
+        self.send("transferred", plan_s, transfer_s, descs, posted, nbytes, len(plans), xfers, total_s, vbytes)
+
+    def _floor(self) -> None:
+        """The NIXL floor: every request's transfers posted again with bare NIXL calls on this endpoint's handles
+        (``Endpoint.post_raw``), after the bytes were verified (it writes the same bytes again)."""
+        spec = self.spec
+        op = "READ" if spec.mode == "pull" else "WRITE"
+        items = []
+        for r, p in zip(self.requests, self.plans, strict=True):
+            counts: dict[Any, int] = {}
+            for t in p:
+                counts[t.peer] = counts.get(t.peer, 0) + 1
+            items += [(t, f"{counts[t.peer]}:{r.rid}".encode()) for t in p]
+        res = self.ep.post_raw(items, op, spec.deadline_s) if items else None
+        self.send("floor", res.seconds if res else 0.0, res.descriptors if res else 0, res.bytes if res else 0)
 
     def _wait_done(self, pending: set[str]) -> None:
         """Poll until every request in ``pending`` completed, reporting each one as it does."""
@@ -322,7 +351,9 @@ class _Worker:
                 mine = initiator_digests(self.digester, plan, p, rank_of, "xxh3")
                 out[r.rid] = ({k: d.digest for k, d in mine.items()}, None)
         else:
+            t_ask = time.perf_counter()
             answers = self._ask_digests([r for r, _ in chosen])
+            self.ask_s += time.perf_counter() - t_ask
             for r, p in chosen:
                 out[r.rid] = (None, self._pull_check(r.rid, p, answers[r.rid]))
         self.digest_s += time.perf_counter() - t0

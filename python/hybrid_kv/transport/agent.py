@@ -222,9 +222,18 @@ class Agent:
         dlists.clear()
 
     def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's NIXL metadata; returns its agent name."""
+        """Load a peer's NIXL metadata and start connecting to it; returns its agent name.
+
+        ``make_connection`` only starts UCX's wire-up (it does not wait); the wire-up then completes while both
+        agents are progressed (``poll()`` here, the peer's own polling there). Without it the first transfer
+        to the peer waits for the whole wire-up, in which the peer's UCX selects its protocols: 25-40 ms on
+        a 2-core host (``benches/nixl_floor.py``, first round). A failure here is left for the first transfer
+        to report, as it would be without it.
+        """
         name = self.nixl.add_remote_agent(metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        quiet(lambda: self.nixl.make_connection(name))
+        return name
 
     def remove_remote(self, agent_name: str) -> None:
         """Forget a peer's agent (errors ignored)."""

@@ -46,6 +46,7 @@ from .errors import HandshakeError, TransferError, check_seconds
 from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peer, Peers
+from .raw import RawResult, post_raw
 from .requests import ControlMessage, Op, PeerKey, PollResult, RequestHandle, Transfer
 from .side_channel import ChannelError, ChannelTimeout, MetaReply, SideChannelServer, send_control
 
@@ -550,6 +551,28 @@ class Endpoint:
         reports it); whether it was live. Transfers already posted may still land: the peer fails it anyway."""
         self._check_open()
         return self._requests.cancel(request_id, reason)
+
+    @_locked
+    def post_raw(self, transfers: Sequence[tuple[Transfer, bytes]], op: Op, timeout_s: float = 60.0) -> RawResult:
+        """Measurement only (the NIXL floor): post ``(transfer, tag)`` pairs with bare NIXL calls on the handles
+        this endpoint prepped, and wait for all of them (``transport.raw``). Transfers are not checked: pass
+        only what ``post`` accepted. It moves real bytes.
+
+        Raises:
+            TransferError: an unknown or unready peer or table, or the failure ``raw.post_raw`` reports.
+        """
+        self._check_open()
+        items = []
+        for t, tag in transfers:
+            peer = self._peers.get(t.peer)
+            if peer is None or peer.state != "ready":
+                raise TransferError(f"peer {t.peer!r} is not ready")
+            try:
+                local, remote = self._agent.dlist(peer.scope, t.local_key), peer.dlists[t.remote_key]
+            except KeyError as exc:
+                raise TransferError(f"no table {exc} for peer {t.peer!r}") from None
+            items.append((local, t.local_ids, remote, t.remote_ids, tag))
+        return post_raw(self._agent, items, op, timeout_s)
 
     @_locked
     def progress(self) -> None:

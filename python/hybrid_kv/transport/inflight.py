@@ -10,7 +10,6 @@ happens is collected in ``events`` until the endpoint's next ``poll()``.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from .agent import CALL_ERRORS, DISCONNECT, Agent
 from .errors import TransferError
 from .peers import Peer, Peers
 from .requests import Op, PeerKey, PollResult, RequestHandle, RequestState, Transfer
-from .tables import CheckedTable, check_ids
+from .tables import CheckedTable, check_ids, check_pairs
 
 __all__ = ["InFlight"]
 
@@ -72,7 +71,7 @@ class InFlight:
         if op not in ("READ", "WRITE"):
             raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}", request_id=request_id)
         self.ensure_new(request_id)
-        checked = tuple(self._check_transfer(request_id, Transfer(*t)) for t in transfers)
+        checked = tuple(self._check_transfer(request_id, t if type(t) is Transfer else Transfer(*t)) for t in transfers)
         if not checked:
             raise TransferError(f"request {request_id!r} has no transfers", request_id=request_id)
         stage = None
@@ -214,10 +213,10 @@ class InFlight:
             where = "" if peer.scope is None else f" in scope {peer.scope!r} (peer {t.peer!r})"
             raise TransferError(f"unknown local table {t.local_key!r}{where}; known: {known}", request_id=rid)
         try:
-            local_ids = check_ids(t.local_ids, local, "local")
-            remote_ids = np.asarray(t.remote_ids)  # checked once the peer's tables are known
             if peer.state == "ready":
-                remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, local_ids)
+                local_ids, remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, t.local_ids)
+            else:  # remote ids are checked once the peer's tables are known
+                local_ids, remote_ids = check_ids(t.local_ids, local, "local"), np.asarray(t.remote_ids)
         except TransferError as exc:
             raise TransferError(f"request {rid!r}: {exc}", request_id=rid) from None
         except (ValueError, TypeError, OverflowError) as exc:
@@ -226,23 +225,13 @@ class InFlight:
 
     @staticmethod
     def _check_remote(
-        peer: Peer, key: str, ids: npt.ArrayLike, local: CheckedTable, local_ids: npt.NDArray[np.int32]
-    ) -> npt.NDArray[np.int32]:
+        peer: Peer, key: str, ids: npt.ArrayLike, local: CheckedTable, local_ids: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """Both sides' ids checked against their tables and pairwise (``check_pairs``)."""
         remote = peer.tables.get(key)
         if remote is None:
             raise TransferError(f"unknown remote table {key!r} of peer {peer.key!r}; known: {sorted(peer.tables)}")
-        remote_ids = check_ids(ids, remote, "remote")
-        if remote_ids.size != local_ids.size:
-            raise TransferError(f"{local_ids.size} local ids but {remote_ids.size} remote ids")
-        mismatch = local.lengths(local_ids) != remote.lengths(remote_ids)
-        if np.any(mismatch):
-            k = int(np.argmax(mismatch))
-            raise TransferError(
-                f"descriptor length mismatch at pair {k}: local {local.key!r}[{local_ids[k]}] is "
-                f"{local.lengths(local_ids[k : k + 1])[0]} B, remote {key!r}[{remote_ids[k]}] is "
-                f"{remote.lengths(remote_ids[k : k + 1])[0]} B"
-            )
-        return remote_ids
+        return check_pairs(local, local_ids, remote, ids)
 
     # ------------------------------------------------------------------ posting and checking
 
@@ -256,8 +245,8 @@ class InFlight:
                 local = self._agent.table(peer.scope, t.local_key)
                 if local is None:  # its scope was removed while the request waited
                     raise TransferError(f"local table {t.local_key!r} of scope {peer.scope!r} was removed")
-                remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, t.local_ids)
-                checked.append(t._replace(remote_ids=remote_ids))
+                local_ids, remote_ids = self._check_remote(peer, t.remote_key, t.remote_ids, local, t.local_ids)
+                checked.append(t._replace(local_ids=local_ids, remote_ids=remote_ids))
         except TransferError as exc:
             self.fail(req, str(exc), notify=False)
             return
@@ -265,8 +254,10 @@ class InFlight:
         self._start(req)
 
     def _start(self, req: RequestHandle) -> None:
-        per_peer = collections.Counter(t.peer for t in req.transfers)
-        index: collections.Counter[PeerKey] = collections.Counter()
+        per_peer: dict[PeerKey, int] = {}
+        for t in req.transfers:
+            per_peer[t.peer] = per_peer.get(t.peer, 0) + 1
+        index = dict.fromkeys(per_peer, 0)
         n = len(req.transfers)
         req._xfers, req._posted, req._done = [None] * n, [False] * n, [False] * n
         req._notifs = []

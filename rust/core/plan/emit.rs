@@ -95,13 +95,16 @@ impl Slots {
         for (r, gs) in region_groups.iter().enumerate() {
             // The region's layout index and chunk bases, shared by all its groups.
             let coalesced = chunks[r].as_ref().map(|(lc, rc)| {
-                let ((lb, lrel), (rb, rrel)) = (lc.split_base(), rc.split_base());
-                let rel = (lrel, rrel);
-                let c = layouts.iter().position(|l| *l == rel).unwrap_or_else(|| {
-                    layouts.push(rel);
-                    layouts.len() - 1
-                });
-                (c, (lb, rb))
+                // Regions of equal unit counts share one layout: compared in place, built once (a relative
+                // copy of both sides' starts per region was a tenth of a DeepSeek-V3 peer plan's construction).
+                let c = layouts
+                    .iter()
+                    .position(|(l, r)| lc.relative_is(l) && rc.relative_is(r))
+                    .unwrap_or_else(|| {
+                        layouts.push((lc.split_base().1, rc.split_base().1));
+                        layouts.len() - 1
+                    });
+                (c, (lc.base(), rc.base()))
             });
             for &g in gs {
                 let chunks = coalesced.map(|(c, bases)| {
