@@ -27,23 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from hybrid_kv.claims import ClaimEntry, claim_digests, serve_claims
 from hybrid_kv.demo.run import DemoConfig, make_requests
 from hybrid_kv.hugepages import zeros
 from hybrid_kv.peer_link import link_peer
 from hybrid_kv.presets import get_preset
 from hybrid_kv.torch_adapter import region_table_from_tensors
 from hybrid_kv.transport import Endpoint
-from hybrid_kv.verify import (
-    DigestAnswer,
-    DigestAsk,
-    Digester,
-    MirrorCache,
-    answer,
-    decode_message,
-    encode_message,
-    initiator_digests,
-    wsum_digest,
-)
+from hybrid_kv.verify import Digester, MirrorCache, initiator_digests, wsum_digest
 
 
 def rank(preset: str, role: str, blocks: int, fill: int) -> tuple[Any, Any, bytes, list[Any]]:
@@ -74,11 +65,7 @@ def prefill_main(preset: str, blocks: int, own_ids: list[list[int]], out: Any, s
         out.put(ep.address)
         while not stop.is_set():
             ev = ep.poll()
-            for c in ev.control:
-                ask = decode_message(c.payload)
-                assert isinstance(ask, DigestAsk)
-                reply = answer(mirrors, digester, ask, own_ids)
-                ep.send_control(ask.reply_to, encode_message(reply), 30.0, expected_name=c.sender)
+            serve_claims(ep, ev.control, lambda entry: (own_ids, 0.0), mirrors, digester)
             if not ev:
                 time.sleep(0.0002)
     del keep
@@ -191,16 +178,11 @@ def request_cost(preset: str, tokens: int, repeats: int) -> list[str]:
                 n += 1
                 rid = f"r{n}"
                 t0 = time.perf_counter()
-                ask = DigestAsk(rid, req.decode_ids, payload, True, "xxh3", ep.address)
-                ep.send_control(address, encode_message(ask), 30.0)
-                reply = None
-                while reply is None:
-                    for c in ep.poll().control:
-                        reply = decode_message(c.payload)
-                assert isinstance(reply, DigestAnswer) and not reply.error, reply
+                entry = ClaimEntry(rid, b"", rid, req.decode_ids, True)
+                got = claim_digests(ep, {0: (address, "bench-prefill")}, [entry], "decode", payload, "xxh3", 30.0)
+                theirs, _ = got[rid][0]
                 t1 = time.perf_counter()
                 parts["ask"].append(t1 - t0)
-                theirs = int(reply.digest, 16)
 
                 def check() -> str | None:
                     t2 = time.perf_counter()

@@ -24,20 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent / "transport"))
 from _peers import Peer, pump  # noqa: E402  (tests/transport is not a package)
 
 from hybrid_kv import HandshakeError, PeerPlan, RegionTable, validate_handshake  # noqa: E402
+from hybrid_kv.claims import ClaimEntry, claim_digests, serve_claims  # noqa: E402
 from hybrid_kv.demo.content import Content, Request, Side, expect_decode, fill_prefill, random_bytes  # noqa: E402
 from hybrid_kv.demo.run import process_context  # noqa: E402
 from hybrid_kv.transport import Endpoint, Transfer  # noqa: E402
-from hybrid_kv.verify import (  # noqa: E402
-    DigestAnswer,
-    DigestAsk,
-    Digester,
-    MirrorCache,
-    answer,
-    compare,
-    decode_message,
-    encode_message,
-    initiator_digests,
-)
+from hybrid_kv.verify import Digester, MirrorCache, compare, initiator_digests  # noqa: E402
 
 __all__ = ["DecodeRank", "KimiRank", "PrefillProcess", "RogueWriter", "ZERO", "pump"]
 
@@ -82,8 +73,8 @@ class KimiRank:
 def prefill_main(
     name: str, preset: str, num_blocks: int, seed: int, requests: list[Request], out: Any, cmds: Any
 ) -> None:
-    """A prefill rank: fills ``requests`` from the logical model, serves its metadata, answers READs and digest
-    asks (``hybrid_kv.verify.DigestAsk``, with its own ids of the request named) until told to stop; reports
+    """A prefill rank: fills ``requests`` from the logical model, serves its metadata, answers READs and claims
+    with digests (``hybrid_kv.claims``, with its own ids of the request named) until told to stop; reports
     ``("closed", handle_counts, unchanged)`` after closing its endpoint.
 
     Commands: ``"stop"``; ``("rewrite", rid)``: after digesting ``rid`` for an ask, re-write a byte of its
@@ -118,16 +109,19 @@ def prefill_main(
                 out.put(("remote_done", e.sender, e.request_id))
             for e in ev.remote_failed:
                 out.put(("remote_failed", e.sender, e.request_id, e.reason))
-            for c in ev.control:
-                ask = decode_message(c.payload)
-                assert isinstance(ask, DigestAsk)
-                own = by_rid[ask.req].prefill_ids if ask.req in by_rid else []
-                reply = answer(mirrors, digester, ask, own)
-                if ask.req in rewrite:  # the block is re-written after its digest, before the READ
+
+            def lookup(entry: ClaimEntry) -> tuple[Any, float] | str:
+                r = by_rid.get(entry.req)
+                return (r.prefill_ids, 0.0) if r is not None else f"no request {entry.req!r}"
+
+            def after_digest(entry: ClaimEntry, own: Any) -> None:
+                nonlocal rewrote
+                if entry.req in rewrite:  # the block is re-written after its digest, before the READ
                     rank.pools[0][own[0][0] * rank.side.geometry.page_bytes] ^= 0x5A
                     rewrote = True
-                    out.put(("rewrote", ask.req))
-                ep.send_control(ask.reply_to, encode_message(reply), 5.0, expected_name=c.sender)
+                    out.put(("rewrote", entry.req))
+
+            serve_claims(ep, ev.control, lookup, mirrors, digester, after_digest=after_digest)
             time.sleep(0.0005)
     unchanged = all(np.array_equal(a, b) for a, b in zip(rank.pools, filled, strict=True))
     out.put(("closed", ep.handle_counts(), unchanged or rewrote))
@@ -212,17 +206,17 @@ class DecodeRank:
         prefill_ids: list[list[int]] | None = None,
         before_check: Any = None,
     ) -> Any:
-        """A verified READ of ``req``: ask ``peer`` for its digest (it digests the blocks it holds for the
+        """A verified READ of ``req``: claim it from ``peer`` with its digest (it digests the blocks it holds for the
         request), post once answered, compare this side's digest once the READ is done. ``prefill_ids``: the
         remote ids this side reads (default: the request's); ``before_check``: called once the READ landed,
         before this side digests (fault injection)."""
-        ask = DigestAsk(req.rid, req.decode_ids, self.rank.payload, True, "xxh3", self.ep.address)
-        self.ep.send_control(self.addresses[peer], encode_message(ask), 5.0)
-        ev = pump(self.ep, lambda e: any(c for c in e.control), 5.0)
-        (reply,) = [decode_message(c.payload) for c in ev.control]
-        assert isinstance(reply, DigestAnswer) and reply.req == req.rid and not reply.error, reply
+        entry = ClaimEntry(req.rid, b"", req.rid, req.decode_ids, True)
+        target = {0: (self.addresses[peer], self.ep.remote_agent(peer))}  # the name it answers as: its agent's
+        got = claim_digests(self.ep, target, [entry], "decode", self.rank.payload, "xxh3", 5.0)
+        digest, error = got[req.rid][0]
+        assert digest is not None and not error, (digest, error)
         transfers = self.transfers(peer, dataclasses.replace(req, prefill_ids=prefill_ids or req.prefill_ids))
-        theirs = int(reply.digest, 16)
+        theirs = digest
 
         def check() -> str | None:
             if before_check is not None:

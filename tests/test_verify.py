@@ -24,14 +24,10 @@ from hybrid_kv.presets import get_preset  # noqa: E402
 from hybrid_kv.torch_adapter import region_table_from_tensors  # noqa: E402
 from hybrid_kv.verify import (  # noqa: E402
     WSUM_PRIME,
-    DigestAnswer,
-    DigestAsk,
     Digester,
     MirrorCache,
     VerifyPolicy,
     algorithm,
-    decode_message,
-    encode_message,
     mismatch_reason,
     wsum_digest,
 )
@@ -249,35 +245,40 @@ def test_verify_policy() -> None:
     assert algorithm("DRAM", "DRAM") == "xxh3" and algorithm("DRAM", "VRAM") == "wsum"
 
 
-def test_digest_messages_are_typed_and_bounded() -> None:
-    ask = DigestAsk(req="r-1", ids=[[1, 2], [3]], payload=b"p", coalesce=True, algo="xxh3", reply_to="tcp://h:1")
-    assert decode_message(encode_message(ask)) == ask
-    ans = DigestAnswer(req="r-1", digest=f"{2**64 - 1:016x}", bytes=10, moves=2)
-    assert decode_message(encode_message(ans)) == ans
+def test_claim_messages_are_typed_and_bounded() -> None:
+    """The one verified-transfer exchange: claims with digests and their answers (``hybrid_kv.claims``)."""
     import msgspec
 
+    from hybrid_kv.claims import (
+        Claim,
+        ClaimAnswers,
+        ClaimEntry,
+        ClaimError,
+        ClaimResult,
+        decode_claim_message,
+        encode,
+    )
+
+    claim = Claim([ClaimEntry("r-1", b"", "d-1", [[1, 2], [3]], True)], "decode", "h", 1, b"p")
+    assert decode_claim_message(encode(claim)) == claim
+    ans = ClaimAnswers([ClaimResult("d-1", True, "", 0.0, f"{2**64 - 1:016x}", 10, 2)], "ab" * 8)
+    assert decode_claim_message(encode(ans)) == ans
     raw = msgspec.msgpack.encode
+    entry = {"req": "r", "grant": b"", "d_req": "d", "ids": [], "digest": True}
+    good = {"hkv": "claim", "entries": [entry], "engine": "e", "host": "h", "port": 1}
     bad = [
         b"\x00",
-        raw({"hkv_verify": "digest_ask", "req": "r", "ids": [], "payload": b"", "coalesce": True, "algo": "md5"}),
-        raw(
-            {
-                "hkv_verify": "digest_ask",
-                "req": "r",
-                "ids": [],
-                "payload": b"",
-                "coalesce": True,
-                "algo": "xxh3",
-                "reply_to": "udp://h:1",
-            }
-        ),
-        raw({"hkv_verify": "digest_answer", "req": "r", "digest": "1" * 17, "bytes": 0, "moves": 0}),
-        raw({"hkv_verify": "digest_answer", "req": "r", "digest": "A" * 16, "bytes": 0, "moves": 0}),
-        raw({"hkv_verify": "digest_answer", "req": "r", "digest": "", "bytes": 0, "moves": 0, "extra": 1}),
-        raw({"hkv_verify": "digest_ask", "req": "r", "ids": [[-1]], "payload": b"", "coalesce": True, "algo": "xxh3"}),
-        raw({"hkv_verify": "other"}),
+        raw({**good, "algo": "md5"}),
+        raw({**good, "port": 0}),
+        raw({**good, "entries": [{**entry, "ids": [[-1]]}]}),
+        raw({**good, "entries": []}),
+        raw({"hkv": "claim_answers", "results": [{"d_req": "r", "ok": True, "digest": "1" * 17}]}),
+        raw({"hkv": "claim_answers", "results": [{"d_req": "r", "ok": True, "digest": "A" * 16}]}),
+        raw({"hkv": "claim_answers", "results": [{"d_req": "r", "ok": True, "extra": 1}]}),
+        raw({"hkv": "other"}),
+        b"\x91" * 100 + b"\xc0",
     ]
     for payload in bad:
-        with pytest.raises(ValueError, match="not a digest message"):
-            decode_message(payload)
+        with pytest.raises(ClaimError, match="not a claim message"):
+            decode_claim_message(payload)
     assert mismatch_reason(1, 0, 4096, 3) == "digest mismatch: 4096 bytes in 3 moves of rank pair (1, 0)"

@@ -42,6 +42,9 @@ __all__ = [
     "ClaimResult",
     "decode_claim_message",
     "encode",
+    "answer_claim",
+    "claim_digests",
+    "serve_claims",
     "instance_of",
     "split_entries",
 ]
@@ -206,3 +209,123 @@ def result_with_digest(
         mirrors, digester, claim.payload, claim.coalesce, entry.ids, own_ids, claim.algo
     )
     return ClaimResult(entry.d_req, True, error, expires_at, digest, nbytes, moves)
+
+
+Lookup = Callable[[ClaimEntry], "tuple[Sequence[Sequence[int]], float] | str | None"]
+"""The holder's verdict on one entry: ``(its own block ids of the request, the lease's end)`` when confirmed, the
+reason when refused, ``None`` when it does not hold the request yet."""
+
+
+def answer_claim(
+    claim: Claim,
+    lookup: Lookup,
+    mirrors: MirrorCache | None,
+    digester: Any,
+    *,
+    only: str | None = None,
+    after_digest: Callable[[ClaimEntry, Sequence[Sequence[int]]], None] | None = None,
+) -> tuple[list[ClaimResult], set[str]]:
+    """The holder's answers to ``claim``'s entries (``only``: that request's alone), and the requests it does not
+    hold yet (kept by the caller until it does). Never raises for any claim (digests of untrusted inputs fail
+    into their answer's ``error``). The one responder of the connector and the demo."""
+    results: list[ClaimResult] = []
+    early: set[str] = set()
+    for entry in claim.entries:
+        if only is not None and entry.req != only:
+            continue
+        got = lookup(entry)
+        if got is None:
+            early.add(entry.req)
+        elif isinstance(got, str):
+            results.append(ClaimResult(entry.d_req, False, got))
+        else:
+            own_ids, expires_at = got
+            results.append(result_with_digest(entry, claim, own_ids, expires_at, mirrors, digester))
+            if entry.digest and after_digest is not None:
+                after_digest(entry, own_ids)
+    return results, early
+
+
+def serve_claims(
+    ep: Any,
+    controls: Sequence[Any],
+    lookup: Lookup,
+    mirrors: MirrorCache | None,
+    digester: Any,
+    *,
+    after_digest: Callable[[ClaimEntry, Sequence[Sequence[int]]], None] | None = None,
+) -> int:
+    """A holder without leases of its own (the demo's, a test's or a benchmark's prefill rank): answer the claims
+    among ``controls`` (an ``Endpoint.poll()``'s ``control``) through ``ep``'s courier; returns the entries answered.
+    Other messages are left alone."""
+    answered = 0
+    instance = instance_of(ep.metadata)
+    for c in controls:
+        try:
+            msg = decode_claim_message(c.payload)
+        except ClaimError:
+            continue
+        if not isinstance(msg, Claim):
+            continue
+        results, _ = answer_claim(msg, lookup, mirrors, digester, after_digest=after_digest)
+        answered += len(results)
+        for out in answer_messages(results, instance):
+            ep.courier.send(f"tcp://{msg.host}:{msg.port}", out, c.sender, timeout_s=10.0, attempts=3)
+    return answered
+
+
+def claim_digests(
+    ep: Any,
+    targets: dict[int, tuple[str, str]],
+    entries: Sequence[ClaimEntry],
+    engine: str,
+    payload: bytes,
+    algo: str,
+    timeout_s: float,
+    *,
+    coalesce: bool = True,
+    on_control: Callable[[Any], None] | None = None,
+) -> dict[str, dict[int, tuple[int | None, str]]]:
+    """An initiator's claims of ``entries`` from each target rank (``rank -> (address, endpoint name)``), one message
+    per rank for all of them, answered to ``ep``'s side channel; waits (polling ``ep``) for every answer. Returns,
+    per initiator request, each rank's ``(digest or None, error)``; other control messages go to ``on_control``.
+
+    Raises:
+        TimeoutError: an answer did not come within ``timeout_s``.
+        RuntimeError: a claim was refused or not delivered.
+    """
+    import time
+
+    host, port = ep.address.removeprefix("tcp://").rsplit(":", 1)
+    names = {name: rank for rank, (_, name) in targets.items()}
+    for out in claim_messages(entries, engine, host, int(port), payload, coalesce, algo):
+        for address, name in targets.values():
+            ep.courier.send(address, out, name, timeout_s=timeout_s, attempts=3)
+    want = {(e.d_req, r) for e in entries for r in targets}
+    got: dict[str, dict[int, tuple[int | None, str]]] = {e.d_req: {} for e in entries}
+    end = time.monotonic() + timeout_s
+    while want:
+        for c in ep.poll().control:
+            msg: Claim | ClaimAnswers | None
+            try:
+                msg = decode_claim_message(c.payload)
+            except ClaimError:
+                msg = None
+            if not isinstance(msg, ClaimAnswers) or c.sender not in names:
+                if on_control is not None:
+                    on_control(c)
+                continue
+            for res in msg.results:
+                key = (res.d_req, names[c.sender])
+                if key in want:
+                    if not res.ok:
+                        raise RuntimeError(f"{c.sender} refused the claim of {res.d_req!r}: {res.error}")
+                    want.discard(key)
+                    got[res.d_req][key[1]] = (int(res.digest, 16) if res.digest else None, res.error)
+        lost = [d for d in ep.courier.take() if not d.delivered]
+        if lost:
+            raise RuntimeError(f"a claim was not delivered: {lost[0].reason}")
+        if time.monotonic() > end:
+            raise TimeoutError(f"no claim answer for {sorted(want)[:4]} within {timeout_s:g} s")
+        time.sleep(0.0002)
+    return got

@@ -1,4 +1,4 @@
-"""Verified transfers: a digest of each side of a request's byte moves, compared end to end (#22).
+"""Verified transfers: a digest of each side of a request's byte moves, compared end to end.
 
 A plan's byte moves are ``(initiator range, peer range, len)``. Each side digests its own ranges of the same
 moves, in move order, so the two digests agree whatever the TP sizes, block sizes and layouts, and any
@@ -18,9 +18,10 @@ plan order). How moves are cut does not change a digest; their order does. Two a
 
 Both sides choose the algorithm from the two sides' memory types (``algorithm``). ``VerifyPolicy``
 (``verify_policy``, importable without the transport's extras) is the ``verify`` setting: ``off``, ``all``, or
-``sampled:N`` (every Nth request). ``DigestAsk`` / ``DigestAnswer``
-are the pull exchange the demo and the tests use (untrusted, typed and bounded); the vLLM connector has its
-own, bound to its tickets (``integrations/vllm/control.py``).
+``sampled:N`` (every Nth request). In pull the passive side's digest rides on the lease claim the initiator
+makes before its READ (``hybrid_kv.claims``: ``answer_claim`` takes it, ``pull_check`` compares it once the READ
+landed); in push it rides in the writers' done-notices. One protocol for the connector, the demo, the tests and
+the benchmarks.
 """
 
 from __future__ import annotations
@@ -42,20 +43,16 @@ __all__ = [
     "ALGORITHMS",
     "MAX_SAMPLE_EVERY",
     "WSUM_PRIME",
-    "DigestAnswer",
-    "DigestAsk",
     "Digester",
     "MirrorCache",
     "RankPairDigest",
     "VerifyPolicy",
     "algorithm",
-    "answer",
     "compare",
     "initiator_digests",
     "payload_mem_type",
     "peer_digest",
-    "decode_message",
-    "encode_message",
+    "pull_check",
     "mismatch_reason",
     "to_hex",
     "wsum_digest",
@@ -270,32 +267,20 @@ def peer_digest(
         return "", 0, 0, f"{type(exc).__name__}: {exc}"[:512]
 
 
-def answer(cache: MirrorCache, digester: Digester, ask: DigestAsk, own_ids: Sequence[Sequence[int]]) -> DigestAnswer:
-    """The passive rank's answer to ``ask`` (``peer_digest``); never raises: a failure is the answer's
-    ``error``."""
-    digest, nbytes, moves, error = peer_digest(cache, digester, ask.payload, ask.coalesce, ask.ids, own_ids, ask.algo)
-    return DigestAnswer(ask.req, digest, nbytes, moves, error)
-
-
 def payload_mem_type(payload: bytes) -> str:
     """The memory type (``DRAM``/``VRAM``) a handshake payload advertises (decoded as untrusted bytes)."""
     return str(decode_meta(payload)["mem_type"])
 
 
-# ---------------------------------------------------------------------------------------------- pull exchange
+# ---------------------------------------------------------------------------------------------- pull check
 
 MAX_PAYLOAD_BYTES = 512 << 10
-"""The largest initiator payload a ``DigestAsk`` may carry."""
-MAX_GROUPS = 64
-MAX_IDS = 1 << 20
+"""The largest initiator payload a claim may carry (the passive side rebuilds the initiator's plan from it)."""
 
-Ids = Annotated[
-    list[Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]], msgspec.Meta(max_length=MAX_IDS)]],
-    msgspec.Meta(max_length=MAX_GROUPS),
-]
-Rid = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Algo = Annotated[str, msgspec.Meta(pattern="^(xxh3|wsum)$")]
-Hex = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{16})?$")]
+
+Theirs = Callable[[int], tuple[int | None, str]]
+"""The passive rank's digest for prefill rank ``r`` (``None``: none came) and why not."""
 
 
 def to_hex(digest: int) -> str:
@@ -303,45 +288,35 @@ def to_hex(digest: int) -> str:
     return f"{digest:016x}"
 
 
-class DigestAsk(msgspec.Struct, tag="digest_ask", tag_field="hkv_verify", frozen=True, forbid_unknown_fields=True):
-    """Pull: the decode asks a prefill rank for its digest of request ``req`` before posting its READ.
+def pull_check(
+    digester: Digester,
+    plan: PeerPlan,
+    transfers: Sequence[Transfer],
+    rank_of: Callable[[PeerKey], int],
+    algo: str,
+    theirs: Theirs,
+    decode_rank: int,
+    *,
+    before: Callable[[], None] | None = None,
+    on_result: Callable[[str | None], None] | None = None,
+) -> Callable[[], str | None]:
+    """The check a pull initiator hands ``Endpoint.post(check=)``: once its READ landed, its digest of each prefill
+    rank's moves against that rank's (``theirs``, from its claim answer); the first mismatch is the failure reason.
+    ``before`` runs first (fault injection in tests), ``on_result`` gets the outcome (counters)."""
 
-    ``ids`` are the decode's (initiator's) block ids; the prefill uses its own ids for ``req``. ``payload`` is
-    the decode rank's handshake payload and ``coalesce`` its setting (the prefill rebuilds its plan from them);
-    the answer goes to the side channel at ``reply_to``, which must be the asking endpoint's.
-    """
+    def check() -> str | None:
+        if before is not None:
+            before()
+        reason = None
+        for peer, d in initiator_digests(digester, plan, transfers, rank_of, algo).items():
+            p_rank = rank_of(peer)
+            digest, error = theirs(p_rank)
+            reason = compare(d, digest, p_rank, decode_rank)
+            if reason is not None:
+                reason += f" ({error})" if error else ""
+                break
+        if on_result is not None:
+            on_result(reason)
+        return reason
 
-    req: Rid
-    ids: Ids
-    payload: Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
-    coalesce: bool
-    algo: Algo
-    reply_to: Annotated[str, msgspec.Meta(pattern="^tcp://[^\\s]{1,300}$")]
-
-
-class DigestAnswer(
-    msgspec.Struct, tag="digest_answer", tag_field="hkv_verify", frozen=True, forbid_unknown_fields=True
-):
-    """The prefill's answer: its digest of ``req`` as 16 hex digits (``error`` set instead when it could not)."""
-
-    req: Rid
-    digest: Hex
-    bytes: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-    moves: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-    error: Annotated[str, msgspec.Meta(max_length=512)] = ""
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(DigestAsk | DigestAnswer)
-
-
-def encode_message(msg: DigestAsk | DigestAnswer) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_message(payload: bytes) -> DigestAsk | DigestAnswer:
-    """A digest message from untrusted bytes; raises ``ValueError`` naming what is wrong."""
-    try:
-        return _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"not a digest message: {exc}") from None
+    return check

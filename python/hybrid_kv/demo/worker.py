@@ -23,16 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..verify import (
-    DigestAnswer,
-    DigestAsk,
-    VerifyPolicy,
-    answer,
-    compare,
-    decode_message,
-    encode_message,
-    initiator_digests,
-)
+from ..claims import ClaimEntry, claim_digests, serve_claims
+from ..verify import VerifyPolicy, compare, initiator_digests, pull_check
 from .content import Content, Request, Side, expect_decode, fill_prefill, random_bytes, region_mismatch
 
 POLL_SLEEP_S = 0.0002
@@ -361,25 +353,11 @@ class _Worker:
         return out
 
     def _ask_digests(self, requests: list[Request]) -> dict[str, dict[int, tuple[int | None, str]]]:
-        """Ask every prefill rank this rank reads from for its digest of each request; wait for all answers."""
-        want = {(r.rid, t) for r in requests for t in self.link.targets}
-        for r in requests:
-            ask = encode_message(DigestAsk(r.rid, r.decode_ids, self.payload, True, "xxh3", self.ep.address))
-            for t in self.link.targets:
-                self.ep.send_control(self.link.addresses[t], ask, 10.0, expected_name=f"prefill-{t}")
-        got: dict[str, dict[int, tuple[int | None, str]]] = {r.rid: {} for r in requests}
-        end = time.monotonic() + self.spec.deadline_s
-        while want:
-            for c in self.ep.poll().control:
-                msg = decode_message(c.payload)
-                rank = int(c.sender.rsplit("-", 1)[1]) if c.sender.startswith("prefill-") else -1
-                if isinstance(msg, DigestAnswer) and (msg.req, rank) in want:
-                    want.discard((msg.req, rank))
-                    got[msg.req][rank] = (int(msg.digest, 16) if msg.digest else None, msg.error)
-            if time.monotonic() > end:
-                raise TimeoutError(f"no digest from prefill ranks for {sorted(want)[:4]} within the deadline")
-            time.sleep(POLL_SLEEP_S)
-        return got
+        """Claim every request from each prefill rank this rank reads from, with its digest (``hybrid_kv.claims``:
+        one message per prefill rank for the whole batch); wait for the answers."""
+        targets = {t: (self.link.addresses[t], f"prefill-{t}") for t in self.link.targets}
+        entries = [ClaimEntry(r.rid, b"", r.rid, r.decode_ids, True) for r in requests]
+        return claim_digests(self.ep, targets, entries, "decode", self.payload, "xxh3", self.spec.deadline_s)
 
     def _corrupt_landed(self, rid: str) -> None:
         """Fault injection (``corrupt_landed``): flip a byte of the first request's first block on decode rank 0,
@@ -389,19 +367,27 @@ class _Worker:
             self.pools[0][first.decode_ids[0][0] * self.side.geometry.page_bytes + 3] ^= 0x10
 
     def _pull_check(self, rid: str, transfers: list[Any], theirs: dict[int, tuple[int | None, str]]) -> Any:
-        def check() -> str | None:
-            self._corrupt_landed(rid)
-            t0 = time.perf_counter()
-            mine = initiator_digests(self.digester, self.planner.plan_, transfers, self.link.rank_of, "xxh3")
-            self.digest_s += time.perf_counter() - t0
-            for peer, d in mine.items():
-                p_rank = self.link.rank_of(peer)
-                reason = compare(d, theirs[p_rank][0], p_rank, self.spec.rank)
-                if reason is not None:
-                    return reason + (f": {theirs[p_rank][1]}" if theirs[p_rank][1] else "")
-            return None
+        started = [0.0]
 
-        return check
+        def before() -> None:
+            self._corrupt_landed(rid)
+            started[0] = time.perf_counter()
+
+        def timed(reason: str | None) -> None:
+            self.digest_s += time.perf_counter() - started[0]
+
+        plan, rank_of = self.planner.plan_, self.link.rank_of
+        return pull_check(
+            self.digester,
+            plan,
+            transfers,
+            rank_of,
+            "xxh3",
+            theirs.__getitem__,
+            self.spec.rank,
+            before=before,
+            on_result=timed,
+        )
 
     def _push_check(self, r: Request, payloads: dict[int, bytes]) -> Any:
         """The decode's check of a pushed request: each writer's digest against this rank's digest of the bytes
@@ -426,16 +412,14 @@ class _Worker:
         return check
 
     def _answer_digests(self, controls: list[Any]) -> None:
-        """Prefill in pull mode: answer each decode rank's digest ask for one of this batch's requests."""
+        """Prefill in pull mode: answer each decode rank's claims of this batch's requests with their digests."""
         by_rid = {r.rid: r for r in self.requests}
-        for c in controls:
-            msg = decode_message(c.payload)
-            if not isinstance(msg, DigestAsk):
-                continue
-            own = by_rid[msg.req].prefill_ids if msg.req in by_rid else []
-            reply = answer(self.mirrors, self.digester, msg, own)
-            self.digested += 1
-            self.ep.send_control(msg.reply_to, encode_message(reply), 10.0, expected_name=c.sender)
+
+        def lookup(entry: ClaimEntry) -> tuple[Any, float] | str:
+            r = by_rid.get(entry.req)
+            return (r.prefill_ids, 0.0) if r is not None else f"no request {entry.req!r} here"
+
+        self.digested += serve_claims(self.ep, controls, lookup, self.mirrors, self.digester)
 
     def _corrupt(self, where: str) -> None:
         """Fault injection (tests): flip one byte that verification must catch."""

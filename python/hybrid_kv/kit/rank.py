@@ -233,32 +233,20 @@ class Rank:
     def _ask_digests(self, names: list[str], tag: str, algo: str) -> dict[str, dict[int, tuple[int | None, str]]]:
         """Pull: ask every prefill rank each request reads from for its digest, before posting (as the connector
         does); returns ``{name: {prefill rank: (digest, error)}}``."""
-        from ..verify import DigestAnswer, DigestAsk, decode_message, encode_message
+        from ..claims import ClaimEntry, claim_digests
 
         t0 = time.perf_counter()
-        want: set[tuple[str, int]] = set()
+        by_peers: dict[tuple[int, ...], list[ClaimEntry]] = {}
         for rid in names:
             if not self.transfers[rid]:
                 continue
             local, _ = self.ids(self.requests[rid])
-            ask = DigestAsk(f"{rid}@{tag}", local, self.payload, True, algo, self.ep.address)
-            for peer in sorted({self.link.rank_of(t.peer) for t in self.transfers[rid]}):
-                address, name = self.peers[peer]
-                self.ep.send_control(address, encode_message(ask), 30.0, expected_name=name)
-                want.add((rid, peer))
-        by_name = {name: r for r, (_, name) in self.peers.items()}
+            peers = tuple(sorted({self.link.rank_of(t.peer) for t in self.transfers[rid]}))
+            by_peers.setdefault(peers, []).append(ClaimEntry(f"{rid}@{tag}", b"", rid, local, True))
         got: dict[str, dict[int, tuple[int | None, str]]] = {rid: {} for rid in names}
-        end = time.monotonic() + self.spec.deadline_s
-        while want:
-            for c in self.ep.poll().control:
-                msg = decode_message(c.payload)
-                key = (msg.req.split("@")[0], by_name.get(c.sender, -1))
-                if isinstance(msg, DigestAnswer) and key in want:
-                    want.discard(key)
-                    got[key[0]][key[1]] = (int(msg.digest, 16) if msg.digest else None, msg.error)
-            if time.monotonic() > end:
-                raise TimeoutError(f"no digest answers for {sorted(want)[:4]} within {self.spec.deadline_s:g} s")
-            time.sleep(POLL_SLEEP_S)
+        for peers, entries in by_peers.items():
+            targets = {p: self.peers[p] for p in peers}
+            got.update(claim_digests(self.ep, targets, entries, "decode", self.payload, algo, self.spec.deadline_s))
         self.ask_s += time.perf_counter() - t0
         return got
 
@@ -327,20 +315,20 @@ class Rank:
 
     def progress(self) -> list[dict[str, Any]]:
         """Progress the endpoint once: answer digest asks, report awaited requests that ended."""
+        from ..claims import ClaimEntry, serve_claims
         from ..transport import RequestState
-        from ..verify import DigestAsk, answer, decode_message, encode_message
 
         ev = self.ep.poll()
-        for c in ev.control:
-            msg = decode_message(c.payload)
-            if not isinstance(msg, DigestAsk):
-                continue
-            t0 = time.perf_counter()
-            r = self.requests.get(msg.req.split("@")[0])
-            reply = answer(self.mirrors, self.digester, msg, r.prefill_ids if r is not None else [])
+
+        def lookup(entry: ClaimEntry) -> tuple[Any, float] | str:
+            r = self.requests.get(entry.req.split("@")[0])
+            return (r.prefill_ids, 0.0) if r is not None else f"no request {entry.req!r} here"
+
+        t0 = time.perf_counter()
+        answered = serve_claims(self.ep, ev.control, lookup, self.mirrors, self.digester)
+        if answered:
             self.digest_s += time.perf_counter() - t0
-            self.digested += 1
-            self.ep.send_control(msg.reply_to, encode_message(reply), 30.0, expected_name=c.sender)
+            self.digested += answered
         out = []
         now = time.monotonic()
         for pid in [p for p, h in self.awaited.items() if h.finished]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ...claims import Claim, ClaimResult, answer_messages, decode_claim_message, result_with_digest
+from ...claims import Claim, ClaimEntry, ClaimResult, answer_claim, answer_messages, decode_claim_message
 from ...connector_core.early import EARLY_TTL_S
 from ...connector_core.leases import LeaseBook, engine_of
 from ...connector_core.params import host_allowed
@@ -45,21 +45,22 @@ class ClaimServer:
         if not host_allowed(msg.host, reg.networks):
             reg.refused(sender, f"claim answers to {msg.host!r}, outside the peer networks")
             return
-        answers = self._answers.setdefault((f"tcp://{msg.host}:{msg.port}", sender), [])
-        early: set[str] = set()
-        for entry in msg.entries:
-            if only is not None and entry.req != only:
-                continue
-            got = self.leases.claim(msg.engine, entry)
-            if got is None:
-                early.add(entry.req)
-            elif isinstance(got, str):
-                answers.append(ClaimResult(entry.d_req, False, got))
-            else:
-                end = self.leases.expires_at(got)
-                answers.append(result_with_digest(entry, msg, got.block_ids, end, reg.mirrors, reg.digester))
-                if entry.digest and self.after_digest is not None:
-                    self.after_digest(entry.req, got.block_ids)
+        leases = self.leases
+
+        def lookup(entry: ClaimEntry) -> tuple[BlockIds, float] | str | None:
+            got = leases.claim(msg.engine, entry)
+            return got if got is None or isinstance(got, str) else (got.block_ids, leases.expires_at(got))
+
+        hook = self.after_digest
+        results, early = answer_claim(
+            msg,
+            lookup,
+            reg.mirrors,
+            reg.digester,
+            only=only,
+            after_digest=None if hook is None else lambda e, ids: hook(e.req, [list(g) for g in ids]),
+        )
+        self._answers.setdefault((f"tcp://{msg.host}:{msg.port}", sender), []).extend(results)
         if early:
             self.leases.early.keep(sender, raw, early)
 

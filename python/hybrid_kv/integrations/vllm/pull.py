@@ -28,7 +28,7 @@ from ...connector_core.leases import LEASE_MARGIN_S, renewal_until
 from ...peer_link import PeerLink
 from ...transport import Transfer, TransferError
 from ...transport.courier import Delivery
-from ...verify import compare, initiator_digests
+from ...verify import pull_check
 from .links import Links, Parked
 from .metadata import RecvReq
 from .state import Job, Registered, worker_name
@@ -188,22 +188,29 @@ class PullRecv:
 
     def _check(self, wait: PullWait) -> Callable[[], str | None]:
         """The check run once a verified READ is done: this rank's digest of what landed against each prefill
-        rank's; a mismatch is the request's failure reason."""
-        reg, link = self.reg, wait.link
+        rank's (from its claim answer); a mismatch is the request's failure reason."""
+        stats = self.reg.stats
 
-        def check() -> str | None:
-            reg.stats.count("num_verified_transfers")
-            mine = initiator_digests(reg.digester, link.plan, wait.transfers, link.rank_of, wait.algo)
-            for peer, d in mine.items():
-                p_rank = link.rank_of(peer)
-                _, error, _, theirs = wait.answers.get(p_rank, (False, "no answer", 0.0, None))
-                reason = compare(d, theirs, p_rank, reg.tp_rank)
-                if reason is not None:
-                    reg.stats.count("num_digest_mismatches")
-                    return reason + (f" ({error})" if error else "")
-            return None
+        def theirs(rank: int) -> tuple[int | None, str]:
+            _, error, _, digest = wait.answers.get(rank, (False, "no answer", 0.0, None))
+            return digest, error
 
-        return check
+        def counted(reason: str | None) -> None:
+            stats.count("num_verified_transfers")
+            if reason is not None:
+                stats.count("num_digest_mismatches")
+
+        link = wait.link
+        return pull_check(
+            self.reg.digester,
+            link.plan,
+            wait.transfers,
+            link.rank_of,
+            wait.algo,
+            theirs,
+            self.reg.tp_rank,
+            on_result=counted,
+        )
 
     # ------------------------------------------------------------------ endings
 
