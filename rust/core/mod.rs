@@ -4,9 +4,11 @@
 pub mod adversary;
 pub mod coalesce;
 pub mod descs;
+pub mod engine_info;
 pub mod error;
 pub mod handshake;
 pub mod id_pairs;
+pub mod kv_layout;
 pub mod layout;
 pub mod meta;
 pub mod plan;

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::coalesce::ChunkedBases;
 use super::error::LayoutError;
+use super::kv_layout::{rank_page_order, LayerOrder, PageOrder};
 use super::layout::{LayerInput, MemType, RankLayout};
 use super::natural::natural_cmp;
 use super::spec::{ConvSplit, LayerSpec};
@@ -120,6 +121,9 @@ pub struct RegionTable {
     pub use_mla: bool,
     /// Total KV heads across TP (1 for MLA).
     pub total_num_kv_heads: u64,
+    /// Order of the (head, token) cells in this rank's attention pages (from its tensors or its `kv_layout`).
+    #[serde(default)]
+    pub page_order: PageOrder,
     /// This rank's TP index.
     pub tp_rank: u32,
     /// TP size.
@@ -311,6 +315,15 @@ impl RegionTable {
             }
         }
         let groups = group_kinds(&layers)?;
+        let orders: Vec<LayerOrder<'_>> = layers
+            .iter()
+            .filter(|l| !l.spec.is_mla() && !l.spec.is_ssm())
+            .map(|l| LayerOrder {
+                name: &l.name,
+                order: l.memory.page_layout,
+            })
+            .collect();
+        let page_order = rank_page_order(layout.kv_layout.as_deref(), &orders)?;
         let first = layers[0];
         let (device, mem_type) = (first.memory.device, first.memory.mem_type);
 
@@ -423,6 +436,7 @@ impl RegionTable {
             conv_split: conv_split.map(|(s, _)| s),
             use_mla,
             total_num_kv_heads: if use_mla { 1 } else { layout.total_num_kv_heads.max(1) },
+            page_order,
             tp_rank: layout.tp_rank,
             tp_size: layout.tp_size,
             device,
@@ -446,8 +460,22 @@ impl RegionTable {
     }
 
     /// Flat count of attention (FA) descriptors at block-size ratio `bsr`.
-    pub fn num_fa_descs(&self, bsr: u64) -> u64 {
-        self.regions.iter().map(|r| r.num_blocks * bsr).sum()
+    ///
+    /// # Errors
+    /// `BadBlockSizeRatio` as [`RegionTable::local_table`] gives it (0, or not dividing a kernel page);
+    /// `AddressOverflow` when the count does not fit 64 bits.
+    pub fn num_fa_descs(&self, bsr: u64) -> Result<u64, LayoutError> {
+        self.check_bsr(bsr)?;
+        self.regions.iter().try_fold(0u64, |acc, r| {
+            r.num_blocks
+                .checked_mul(bsr)
+                .and_then(|n| acc.checked_add(n))
+                .ok_or_else(|| LayoutError::AddressOverflow {
+                    what: format!("attention descriptor count at block size ratio {bsr}"),
+                    addr: r.num_blocks,
+                    len: bsr,
+                })
+        })
     }
 }
 

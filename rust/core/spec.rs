@@ -8,6 +8,7 @@ use super::error::LayoutError;
 
 /// Non-MLA attention (full or sliding window): K and V per head, packed per token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AttentionSpec {
     /// KV heads on this rank.
     pub num_kv_heads: u64,
@@ -25,6 +26,7 @@ pub struct AttentionSpec {
 
 /// MLA attention: one latent per token, identical on every TP rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MlaSpec {
     /// Latent elements per token (e.g. 512 + 64 for DeepSeek-V3).
     pub head_size: u64,
@@ -49,6 +51,7 @@ pub enum MambaKind {
 
 /// A linear-attention / SSM state (one full state per logical block, never split).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SsmSpec {
     /// Conv sub-projection family.
     pub kind: MambaKind,

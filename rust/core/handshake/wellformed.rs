@@ -11,6 +11,7 @@
 //! refuses both ([`check_well_formed`]).
 
 use super::error::Finding;
+use crate::core::kv_layout::page_order_of;
 use crate::core::meta::AgentMeta;
 use crate::core::region::GroupKind;
 use crate::core::tp::MAX_TP_SIZE;
@@ -39,6 +40,15 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
             "tp_rank",
             format!("{}/{}", m.tp_rank, m.tp_size),
             "tp_rank must be below a positive tp_size".into(),
+        );
+    }
+    if let Err(e) = page_order_of(&m.kv_layout) {
+        bad("kv_layout", format!("{:?}", m.kv_layout), e);
+    } else if m.groups.contains(&GroupKind::Attention) && m.page_order().is_none() {
+        bad(
+            "kv_layout",
+            format!("{:?}", m.kv_layout),
+            "attention pages must be one contiguous range per block (L and B axes outermost)".into(),
         );
     }
     if m.tp_size > MAX_TP_SIZE {
