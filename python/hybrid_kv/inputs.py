@@ -59,7 +59,8 @@ class AttentionSpec(TypedDict):
     head_size: int
     """K elements per head."""
     head_size_v: NotRequired[int | None]
-    """V elements per head (default: ``head_size``)."""
+    """V elements per head (default: ``head_size``); 0 for a tensor of K or of V alone (an engine that keeps K and
+    V in separate tensors, as SGLang's ``MHATokenToKVPool`` does, describes each as its own layer)."""
     dtype_bytes: int
     """Bytes per element."""
     page_size_padded: NotRequired[int | None]
