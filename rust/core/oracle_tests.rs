@@ -337,6 +337,8 @@ enum Family {
     GqaMamba1,
     PureMla,
     PureGqa,
+    /// K and V in separate tensors (SGLang's MHA pool): a K group and a V group, each `head_size_v` 0.
+    KvApart,
 }
 
 fn ssm(mamba: MambaKind) -> Group {
@@ -405,6 +407,20 @@ fn model(f: Family, heads: u64) -> Model {
             vec![mla],
             (0..2).map(|i| vec![layer(format!("layers.{i}"), 0)]).collect(),
         ),
+        Family::KvApart => {
+            let part = |head_size| Group::Attention {
+                num_kv_heads: heads,
+                head_size,
+                head_size_v: Some(0),
+                dtype_bytes: 1,
+            };
+            (
+                vec![part(1), part(2)],
+                (0..2)
+                    .flat_map(|i| [vec![layer(format!("attn.{i}.k"), 0)], vec![layer(format!("attn.{i}.v"), 1)]])
+                    .collect(),
+            )
+        }
         Family::PureGqa => (
             vec![attn.clone(), attn],
             vec![
@@ -434,7 +450,7 @@ fn min_logical(f: Family, heads: u64, tp: u64) -> u64 {
 prop_compose! {
     /// A random deployment: every family, both modes, any TP pair, mixed kernel blocks, prefix hits.
     pub(crate) fn scenario()(
-        fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::GqaMamba1, Family::PureMla, Family::PureGqa]),
+        fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::GqaMamba1, Family::PureMla, Family::PureGqa, Family::KvApart]),
         heads in prop::sample::select(vec![1u64, 2, 4, 8]),
         tps in (prop::sample::select(vec![1u32, 2, 4, 8]), prop::sample::select(vec![1u32, 2, 4, 8])),
         kernels in (prop::sample::select(vec![2u64, 4, 8]), prop::sample::select(vec![2u64, 4, 8])),
@@ -446,7 +462,7 @@ prop_compose! {
     ) -> Scenario {
         let (ptp, dtp) = tps;
         let single_head = |tp: u32| heads <= u64::from(tp);
-        let gqa = matches!(fam, Family::GqaSsm | Family::GqaMamba1 | Family::PureGqa);
+        let gqa = matches!(fam, Family::GqaSsm | Family::GqaMamba1 | Family::PureGqa | Family::KvApart);
         let token_major = layouts.0.is_some_and(|l| l.contains("NH"));
         // Token-major pages split between TP sizes are cut per token: at most 128 tokens per kernel block, which
         // the kernels here always are.
