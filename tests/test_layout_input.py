@@ -232,3 +232,32 @@ def test_pages_keeping_k_and_v_apart_are_refused() -> None:
         region_table_from_tensors(
             [(NAME, 0, gqa(4), t)], logical_block_size=16, kernel_block_size=16, num_logical_blocks=4
         )
+
+
+@pytest.mark.parametrize(("order", "want"), [((0, 1, 2, 3), "HND"), ((0, 2, 1, 3), "NHD")], ids=["LBHNC", "LBNHC"])
+def test_vllm_style_views_show_their_page_order(order: tuple[int, ...], want: str) -> None:
+    """vLLM hands ``[B, H, N, C]`` views whatever the layout; their strides say the page order (``dims="BHNC"``),
+    also where heads and tokens have the same size."""
+    from hybrid_kv.torch_adapter import page_layout, tensor_memory
+
+    blocks, heads, tokens, cell = 4, 8, 8, 6
+    physical = [(blocks, heads, tokens, cell)[d] for d in order]
+    raw = torch.zeros(*physical, dtype=torch.float16)
+    view = raw.permute(*[order.index(d) for d in range(4)])  # logical [B, H, N, C]
+    assert tuple(view.shape) == (blocks, heads, tokens, cell)
+    assert page_layout(view, NAME, gqa(heads), tokens, "BHNC") == want
+    assert page_layout(view, NAME, gqa(heads), tokens) is None  # without axis names 8 heads / 8 tokens are ambiguous
+    assert tensor_memory(view, NAME, gqa(heads), tokens, "BHNC")["page_layout"] == want
+    with pytest.raises(LayoutError, match="give 8 heads and 8 tokens, but the spec says 4 heads"):
+        page_layout(view, NAME, gqa(4), tokens, "BHNC")
+
+
+def test_a_peer_advertising_an_unknown_layout_is_malformed() -> None:
+    from hybrid_kv import HandshakeError, decode_meta, encode_meta
+
+    table, _ = nhd_rank(1, 0, 16, 4)
+    meta = decode_meta(table.handshake_payload(info(None)))
+    assert meta["kv_layout"] == "NHD"
+    for bad in ("XYZ", "LHBNC"):  # unknown, or heads kept apart from their pages
+        with pytest.raises(HandshakeError, match="kv_layout"):
+            decode_meta(encode_meta({**meta, "kv_layout": bad}))
