@@ -417,7 +417,12 @@ fn model(f: Family, heads: u64) -> Model {
             (
                 vec![part(1), part(2)],
                 (0..2)
-                    .flat_map(|i| [vec![layer(format!("attn.{i}.k"), 0)], vec![layer(format!("attn.{i}.v"), 1)]])
+                    .flat_map(|i| {
+                        [
+                            vec![layer(format!("attn.{i}.k"), 0)],
+                            vec![layer(format!("attn.{i}.v"), 1)],
+                        ]
+                    })
                     .collect(),
             )
         }
