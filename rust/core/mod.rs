@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod adversary;
+pub mod alias;
 pub mod coalesce;
 pub mod descs;
 pub mod engine_info;
@@ -29,6 +30,8 @@ pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec}
 pub mod fixtures;
 mod natural;
 
+#[cfg(test)]
+mod alias_tests;
 #[cfg(test)]
 mod hardening_tests;
 #[cfg(test)]

@@ -12,6 +12,7 @@
 use super::error::{Finding, HandshakeError};
 use super::fingerprint::{fingerprint, GeometryKey};
 use super::wellformed::{placement_findings, structure_findings};
+use crate::core::alias::alias_roots;
 use crate::core::kv_layout::PageOrder;
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::region::GroupKind;
@@ -62,6 +63,8 @@ pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> V
         return out; // values that are inconsistent on their own cannot be compared safely
     }
     own(placement_findings, &mut out);
+    // regions at one base that may not alias are reported as an overlap already
+    let overlapping = out.iter().any(|f| f.check.ends_with("region_overlap"));
     let mut add = |check: &str, l: String, r: String, why: String| out.push(Finding::new(check, l, r, why));
     if local.version != remote.version {
         add(
@@ -81,7 +84,7 @@ pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> V
     }
     identity(local, remote, expected, &mut add);
     let ratio = tp(local, remote, expected, &mut add);
-    regions(local, remote, &mut add);
+    regions(local, remote, overlapping, &mut add);
 
     let units = block_units(local, remote, &mut add);
     heads(local, remote, ratio, &mut add);
@@ -221,7 +224,7 @@ fn tp(local: &AgentMeta, remote: &AgentMeta, expected: &Expected, add: &mut Add<
     }
 }
 
-fn regions(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
+fn regions(local: &AgentMeta, remote: &AgentMeta, overlapping: bool, add: &mut Add<'_>) {
     let (lk, rk) = (GeometryKey::of(local), GeometryKey::of(remote));
     if lk.region_names.len() != rk.region_names.len() {
         add(
@@ -246,6 +249,14 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
             "REPLICATE/SPLIT must agree",
         );
         diff("region_groups", list(&lk.region_groups), list(&rk.region_groups), "");
+        let roots = |m: &AgentMeta| alias_roots(&m.regions.iter().map(|r| r.base).collect::<Vec<_>>());
+        let roots = |m: &AgentMeta| if overlapping { Vec::new() } else { roots(m) };
+        diff(
+            "region_aliases",
+            list(&roots(local)),
+            list(&roots(remote)),
+            "the same regions must alias one tensor on both sides",
+        );
     }
     diff("group_kinds", list(&lk.groups), list(&rk.groups), "");
     diff("ssm_regions", list(&lk.ssm_regions), list(&rk.ssm_regions), "");

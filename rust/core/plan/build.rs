@@ -16,6 +16,7 @@ use super::routes::{attention_ranks, routes};
 use super::rows::{append_rows, StateStarts};
 use super::split::{split_table, Piece};
 use super::PeerPlan;
+use crate::core::alias::merge_alias_groups;
 use crate::core::descs::DescTable;
 use crate::core::kv_layout::PageOrder;
 use crate::core::meta::{AgentMeta, TransferMode};
@@ -279,7 +280,9 @@ fn id_spaces(
         groups,
     );
     // Both sides' region `r` take the same groups' ids (slots pair them), so they share the same pairs.
-    let shared = shared_group_pairs(groups, region_groups, &local.ssm_regions);
+    // aliases of one tensor count as one region: a block id in two of their groups is refused
+    let bases: Vec<u64> = local.regions.iter().map(|r| r.base).collect();
+    let shared = shared_group_pairs(groups, &merge_alias_groups(&bases, region_groups), &local.ssm_regions);
     (
         IdSpace {
             shared: shared.clone(),

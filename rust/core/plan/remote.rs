@@ -7,6 +7,7 @@
 //! rank's channel / dim-0 share of a larger remote state, or the whole smaller remote share.
 
 use super::error::{exact_div, mismatch, PlanError};
+use crate::core::alias::alias_roots;
 use crate::core::descs::{DescTable, StridedRow};
 use crate::core::kv_layout::PageOrder;
 use crate::core::meta::AgentMeta;
@@ -230,6 +231,18 @@ fn check_regions(local: &RegionTable, remote: &AgentMeta) -> Result<(), PlanErro
     let ls: Vec<u32> = local.ssm_regions.iter().map(|&i| i as u32).collect();
     if ls != remote.ssm_regions {
         return Err(mismatch("SSM regions", ls, &remote.ssm_regions));
+    }
+    let roots = |bases: Vec<u64>| alias_roots(&bases);
+    let (la, ra) = (
+        roots(local.regions.iter().map(|r| r.base).collect()),
+        roots(remote.regions.iter().map(|r| r.base).collect()),
+    );
+    if la != ra {
+        return Err(mismatch(
+            "regions aliasing one tensor (first region of each base)",
+            la,
+            ra,
+        ));
     }
     if local.groups.contains(&GroupKind::Attention) && remote.page_order() != Some(local.page_order) {
         return Err(mismatch(
