@@ -22,6 +22,7 @@ README = (ROOT / "README.md").read_text()
 NOT_RUN = {
     "bash scripts/demo.sh": "the demo itself (tests/test_demo.py runs its README command)",
     "bash scripts/test.sh": "runs this very test suite",
+    "bash scripts/gpu-kit.sh": "runs on the accelerator image (tests/test_gpu_kit.py runs its dry run)",
     "export HYBRID_KV_SECRET=": "sets the secret of the engines below",
     "vllm serve ": "real vLLM engines (tests/engines, tests/integrations/test_multihost.py)",
 }
