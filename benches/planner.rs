@@ -106,6 +106,7 @@ fn engine(tp: u32, logical: u64, num_blocks: u64) -> Engine {
         logical_block_size: logical,
         kernel_block_size: 64,
         num_blocks,
+        kv_layout: None,
     }
 }
 

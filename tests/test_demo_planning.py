@@ -27,7 +27,7 @@ def test_compatible_peers_are_planned_from_the_validated_bytes() -> None:
 
 def test_an_incompatible_peer_is_refused_before_anything_is_planned() -> None:
     decode, mine = rank(1, 0, 64, "decode")
-    payloads = {0: rank(2, 0, 128, "prefill")[1], 1: rank(2, 1, 128, "prefill", compat_hash="another-model")[1]}
+    payloads = {0: rank(2, 0, 128, "prefill")[1], 1: rank(2, 1, 128, "prefill", compat_hash="a" * 64)[1]}
     # The planner alone would accept it: a model mismatch is the handshake's to catch, not the geometry's.
     assert PeerPlan(decode, [payloads[0], payloads[1]], "pull").remote_ranks == [0, 1]
     with pytest.raises(HandshakeError, match="(?s)^peer rank 1: .*compat_hash") as info:

@@ -40,7 +40,7 @@ def hybrid_json(tp: int, rank: int, logical: int, n: int, engine: str, **info: A
         "kv_layout": "HND",
         "attn_backend": "FLASH_ATTN",
         "transfer_mode": "pull",
-        "compat_hash": "c0ffee",
+        "compat_hash": "c0ffee" * 8 + "0" * 16,
         **info,
     }
     return decode_meta(table.handshake_payload(engine_info))
@@ -184,8 +184,13 @@ def test_compat_hash_over_model_factors() -> None:
     assert len(h) == 64 and h == compat_hash(json.dumps(factors))
     assert compat_hash(json.dumps({**factors, "dtype": "float16"})) != h
     assert compat_hash(factors) == h  # a dict needs no JSON round trip
-    with pytest.raises(HandshakeError, match="bad model factors"):
+    # a local argument: a ValueError naming every missing key at once, a TypeError naming a mistyped one
+    with pytest.raises(ValueError, match=r'^factors: missing keys \["model", "dtype", "cache_dtype"'):
         compat_hash("{}")
+    with pytest.raises(ValueError, match=r'^factors: unknown keys \["dtyp"\]'):
+        compat_hash({**factors, "dtyp": "x"})
+    with pytest.raises(TypeError, match=r'^factors\["hma"\]: invalid type'):
+        compat_hash({**factors, "hma": "yes"})
 
 
 def kimi_rank(tp: int, rank: int, blocks: int, engine: str, **info: Any) -> tuple[RegionTable, bytes]:
@@ -206,11 +211,25 @@ def test_handshake_payload_is_the_wire_metadata_of_the_table() -> None:
 
 def test_handshake_payload_errors_name_the_field() -> None:
     table, _ = kimi_rank(1, 0, 64, "decode")
-    info = {"engine_id": "d", "agent_metadata": [], "kv_layout": "HND", "attn_backend": "x", "compat_hash": ""}
+    info = {"engine_id": "d", "agent_metadata": [], "kv_layout": "HND", "attn_backend": "x", "compat_hash": "0" * 64}
     with pytest.raises(PlanError, match='mode must be "pull" or "push", got "sideways"'):
         table.handshake_payload({**info, "transfer_mode": "sideways"})
-    with pytest.raises(HandshakeError, match="bad engine info: .*transfer_mode"):
+    # a local argument mistake is a ValueError (TypeError for a wrong type) naming the parameter and the key
+    with pytest.raises(ValueError, match='^engine_info: missing key "transfer_mode"'):
         table.handshake_payload(info)
+    info["transfer_mode"] = "pull"
+    with pytest.raises(ValueError, match='^engine_info: unknown key "kv_layut"'):
+        table.handshake_payload({**info, "kv_layut": "HND"})
+    with pytest.raises(TypeError, match=r'^engine_info\["engine_id"\]: invalid type: integer `7`'):
+        table.handshake_payload({**info, "engine_id": 7})
+    with pytest.raises(ValueError, match=r'^engine_info\["kv_layout"\]: unknown KV-cache layout "XYZ"'):
+        table.handshake_payload({**info, "kv_layout": "XYZ"})
+    with pytest.raises(ValueError, match=r'^engine_info\["compat_hash"\]: "abc" is not a compatibility hash'):
+        table.handshake_payload({**info, "compat_hash": "abc"})
+    # without kv_layout the payload names the table's page order (heads-major unless the tensors say otherwise)
+    assert (
+        decode_meta(table.handshake_payload({k: v for k, v in info.items() if k != "kv_layout"}))["kv_layout"] == "HND"
+    )
     with pytest.raises(HandshakeError, match="bad metadata: missing field `engine_id`"):
         encode_meta({"version": 1})
 

@@ -40,7 +40,7 @@ def meta(table: RegionTable, engine: str) -> dict[str, Any]:
         "kv_layout": "HND",
         "attn_backend": "FLASHMLA",
         "transfer_mode": "pull",
-        "compat_hash": "",
+        "compat_hash": "0" * 64,
     }
     return decode_meta(table.handshake_payload(info))
 

@@ -34,7 +34,7 @@ def payload_of(table: RegionTable, mode: str = "pull") -> bytes:
             "kv_layout": "HND",
             "attn_backend": "FLASHMLA",
             "transfer_mode": mode,
-            "compat_hash": "",
+            "compat_hash": "0" * 64,
         }
     )
 

@@ -29,7 +29,7 @@ def f2_table(bases: tuple[int, int]) -> Any:
 @pytest.fixture(scope="module")
 def peer() -> PeerPlan:
     info = {"engine_id": "prefill", "agent_metadata": [], "kv_layout": "HND", "attn_backend": "FLASHMLA"}
-    info |= {"transfer_mode": "pull", "compat_hash": ""}
+    info |= {"transfer_mode": "pull", "compat_hash": "0" * 64}
     remote = f2_table((0x90000, 0xA0000)).handshake_payload(info)
     return PeerPlan(f2_table((0x1000, 0x10000)), [remote], "pull")
 

@@ -91,8 +91,10 @@ def test_errors_share_one_base_class() -> None:
 
 
 def test_malformed_layout_json_is_a_layout_error() -> None:
-    with pytest.raises(LayoutError, match="bad layout"):
+    with pytest.raises(LayoutError, match="^layout: missing field `tp_size`"):
         hybrid_kv.RegionTable.from_json('{"tp_rank": 0}')
+    with pytest.raises(LayoutError, match="^layout: not JSON"):
+        hybrid_kv.RegionTable.from_json("{")
 
 
 def test_overlapping_regions_are_rejected() -> None:

@@ -6,17 +6,20 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+from hybrid_kv.inputs import EngineInfo, ModelFactors
+
 __version__: str
 
 class HybridKvError(Exception):
     """Base class of every hybrid-kv error."""
 
-class LayoutError(HybridKvError):
-    """A rank's layout cannot be turned into a region table."""
+class LayoutError(HybridKvError, ValueError):
+    """A rank's layout cannot be turned into a region table (also a ``ValueError``: the layout is an argument).
+    The message names the value and, for a malformed layout, the layer and the key."""
 
-class PlanError(HybridKvError):
+class PlanError(HybridKvError, ValueError):
     """A transfer cannot be planned for the given geometry, ids or mode (a bad ``mode`` is a ``PlanError``
-    wherever it is given)."""
+    wherever it is given; also a ``ValueError``)."""
 
 class HandshakeError(HybridKvError):
     """A peer's metadata is malformed or incompatible."""
@@ -35,7 +38,8 @@ class RegionTable:
 
     @staticmethod
     def from_json(layout_json: str) -> RegionTable:
-        """Build a region table from a rank layout given as JSON."""
+        """Build a region table from a rank layout (``hybrid_kv.inputs.RankLayout``) given as JSON; an unknown,
+        misspelled, missing or mistyped key is a ``LayoutError`` naming the layer and the key."""
 
     def to_json(self) -> str:
         """The whole table as JSON."""
@@ -73,7 +77,8 @@ class RegionTable:
         """``(conv_bytes, ssm_bytes)`` of one state on this rank."""
 
     def num_fa_descs(self, bsr: int = 1) -> int:
-        """Flat count of attention descriptors at block-size ratio ``bsr``."""
+        """Flat count of attention descriptors at block-size ratio ``bsr``; ``LayoutError`` for a ``bsr``
+        ``local_descs`` refuses (0, or not dividing a kernel page) or a count over 64 bits."""
 
     def registration(self) -> npt.NDArray[np.uint64]:
         """Registration descriptors ``(addr, bytes, device)``, shape ``(R, 3)``."""
@@ -89,10 +94,13 @@ class RegionTable:
         bytes concatenated in move order; reads the memory (this process's live host memory only). Raises
         ``ValueError`` for a range outside the regions, a bad shape or side, or regions that are not host memory."""
 
-    def handshake_payload(self, engine_info: Mapping[str, Any]) -> bytes:
+    def handshake_payload(self, engine_info: EngineInfo | Mapping[str, Any]) -> bytes:
         """This rank's handshake payload (metadata as wire bytes) with the engine facts ``engine_info``
-        (``engine_id``, ``agent_metadata``, ``kv_layout``, ``attn_backend``, ``transfer_mode``, ``compat_hash``,
-        optionally ``prefix_caching``); raises ``PlanError`` (bad ``transfer_mode``) / ``HandshakeError``."""
+        (``hybrid_kv.inputs.EngineInfo``: ``engine_id``, ``attn_backend``, ``transfer_mode``, ``compat_hash``;
+        optionally ``agent_metadata``, ``kv_layout``, ``prefix_caching``). Raises ``PlanError`` (bad
+        ``transfer_mode``), ``TypeError`` (a value of the wrong type) or ``ValueError`` (an unknown or missing
+        key, an unknown ``kv_layout`` or one the table's page order contradicts, a malformed ``compat_hash``),
+        each naming ``engine_info[...]``."""
 
 # Handshake (rust/py/handshake.rs). Metadata is wire bytes (msgpack); a dict only for inspection and tests. A
 # finding is ``(check, local, remote, detail)``.
@@ -111,8 +119,10 @@ def msgpack_prescan(data: bytes, *, max_bytes: int, max_len: int, max_str: int, 
 def meta_fingerprint(data: bytes) -> str:
     """Hex SHA-256 of the TP-invariant region geometry of wire bytes."""
 
-def compat_hash(factors: Mapping[str, Any] | str) -> str:
-    """Hex SHA-256 over the model factors (E.2), given as a dict or as JSON text."""
+def compat_hash(factors: ModelFactors | Mapping[str, Any] | str) -> str:
+    """Hex SHA-256 over the model factors (``hybrid_kv.inputs.ModelFactors``, every field documented there), given
+    as a dict or as JSON text. Raises ``ValueError`` naming every unknown and missing key at once (or text that is
+    not JSON), ``TypeError`` naming a value of the wrong type (``factors["key"]``)."""
 
 def handshake_findings(
     local: bytes,

@@ -34,7 +34,15 @@ if TYPE_CHECKING:
     from .transport.endpoint import Endpoint
     from .transport.side_channel import MetaReply
 
-__all__ = ["PeerLink", "PreparedLink", "attach_link", "fetch_replies", "link_peer", "prepare_link"]
+__all__ = [
+    "PeerLink",
+    "PreparedLink",
+    "attach_link",
+    "fetch_replies",
+    "link_peer",
+    "prepare_link",
+    "target_addresses",
+]
 
 log = logging.getLogger("hybrid_kv.peer_link")
 
@@ -58,8 +66,13 @@ def fetch_replies(
     deadline: float | None = None,
     secret: bytes | str | None = None,
     names: Mapping[int, str] | None = None,
+    insecure: bool = False,
 ) -> dict[int, MetaReply]:
-    """Each rank's side-channel reply, fetched once (authenticated; see ``side_channel.fetch_reply``).
+    """Each rank's side-channel reply, fetched once (authenticated; see ``side_channel.fetch_reply``): the
+    public way to get a peer's handshake payload (``reply.payload``) before planning and connecting.
+
+    ``secret``: the deployment's secret (``None``: ``HYBRID_KV_SECRET``); ``insecure=True`` fetches from
+    endpoints made with ``insecure=True`` (trusted networks only; ``secret`` must then be ``None``).
 
     A fetch gets ``timeout_s`` per attempt; one that gets no reply in time is tried again (up to
     ``MAX_ATTEMPTS`` attempts) while ``deadline`` (``time.monotonic()``; ``None``: one attempt) leaves room for
@@ -85,7 +98,9 @@ def fetch_replies(
                 t0 = time.monotonic()
                 try:
                     to = None if names is None else names.get(rank)
-                    replies[rank] = fetch_reply(ctx, address, rank, sender, per_try, secret=secret, to=to)
+                    replies[rank] = fetch_reply(
+                        ctx, address, rank, sender, per_try, secret=secret, to=to, insecure=insecure
+                    )
                     break
                 except ChannelError as exc:
                     timed_out = time.monotonic() - t0 >= 0.95 * per_try  # no reply in time (not a refusal)
@@ -136,6 +151,7 @@ def prepare_link(
     expected_tp_size: int | None = None,
     secret: bytes | str | None = None,
     names: Mapping[int, str] | None = None,
+    insecure: bool = False,
 ) -> PreparedLink:
     """Fetch every target rank's reply once and plan from exactly those payloads (validated against
     ``own_payload``; ``engine_id`` and ``expected_tp_size``, when given, must be what the peer says it is;
@@ -147,7 +163,9 @@ def prepare_link(
         HandshakeError: a fetch failed, or a payload is incompatible or malformed (``findings`` set).
         PlanError: the two sides cannot be planned together.
     """
-    replies = fetch_replies(addresses, sender, timeout_s, deadline=deadline, secret=secret, names=names)
+    replies = fetch_replies(
+        addresses, sender, timeout_s, deadline=deadline, secret=secret, names=names, insecure=insecure
+    )
     planner = RankPlanner(
         table,
         {r: reply.payload for r, reply in replies.items()},
@@ -279,8 +297,33 @@ def link_peer(
     coalesce: bool = True,
     engine_id: str = "",
     expected_tp_size: int | None = None,
+    secret: bytes | str | None = None,
+    insecure: bool = False,
 ) -> PeerLink:
-    """``prepare_link`` then ``attach_link`` on the calling thread (which must be ``ep``'s)."""
+    """Link one posting rank to one peer engine: fetch each target rank's payload once (``fetch_replies``),
+    validate it against ``own_payload`` and plan from it (``RankPlanner``), prep the plan's local tables as
+    ``scope`` of ``ep`` and connect every target rank (``attach_link``). Call on ``ep``'s thread.
+
+    Args:
+        ep: this rank's endpoint (its KV cache registered once, at creation).
+        table: this rank's region table; ``own_payload`` its ``handshake_payload``.
+        addresses: the side-channel address of every peer rank this rank talks to, by rank
+            (``handshake_target_ranks`` says which; ``target_addresses`` builds them for consecutive ports).
+        mode: ``"pull"`` (this rank READs: decode) or ``"push"`` (this rank WRITEs: prefill).
+        scope: a name for this link's tables and peers on ``ep`` (one per peer engine).
+        sender: this rank's name in the side-channel requests.
+        timeout_s: per fetch and per connection; ``deadline`` (``time.monotonic()``) bounds the retries.
+        engine_id / expected_tp_size: what the peer engine must say it is (checked when given).
+        secret / insecure: as ``fetch_replies`` (and as ``ep`` was made).
+
+    Returns:
+        The ``PeerLink``: ``link.transfers(local_ids, remote_ids)`` gives one request's transfers for
+        ``ep.post(request_id, transfers, "READ" | "WRITE", deadline_s)``; ``link.close()`` unlinks.
+
+    Raises:
+        HandshakeError: a fetch failed, a payload is incompatible (``findings``), or NIXL refused the peer.
+        PlanError: the two sides cannot be planned together.
+    """
     prepared = prepare_link(
         table,
         own_payload,
@@ -292,6 +335,8 @@ def link_peer(
         coalesce=coalesce,
         engine_id=engine_id,
         expected_tp_size=expected_tp_size,
+        secret=secret,
+        insecure=insecure,
     )
     return attach_link(ep, prepared, scope, timeout_s=timeout_s)
 

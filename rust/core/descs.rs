@@ -173,6 +173,26 @@ pub const PARALLEL_FLAT_MIN: u64 = 1 << 20;
 pub const MAX_FLAT_THREADS: usize = 4;
 
 impl RegionTable {
+    /// Check a block-size ratio: `BadBlockSizeRatio` when `bsr` is 0 or does not divide every region's kernel page.
+    ///
+    /// # Errors
+    /// That error, naming the first region whose page `bsr` does not divide.
+    pub fn check_bsr(&self, bsr: u64) -> Result<(), LayoutError> {
+        if bsr == 0 {
+            return Err(LayoutError::BadBlockSizeRatio {
+                bsr,
+                detail: "ratio is zero".into(),
+            });
+        }
+        match self.regions.iter().find(|r| r.block_len % bsr != 0) {
+            Some(r) => Err(LayoutError::BadBlockSizeRatio {
+                bsr,
+                detail: format!("region {} has kernel page {}", r.name, r.block_len),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The local descriptor table at block-size ratio `bsr` (1 for the rank's own granularity).
     ///
     /// With `bsr > 1` every kernel block becomes `bsr` sub-blocks of `block_len / bsr` (for a peer with
@@ -181,21 +201,10 @@ impl RegionTable {
     /// # Errors
     /// `BadBlockSizeRatio` when `bsr` is 0 or does not divide a region's kernel page.
     pub fn local_table(&self, bsr: u64) -> Result<DescTable, LayoutError> {
-        if bsr == 0 {
-            return Err(LayoutError::BadBlockSizeRatio {
-                bsr,
-                detail: "ratio is zero".into(),
-            });
-        }
+        self.check_bsr(bsr)?;
         let dev = u64::from(self.device);
         let mut rows = Vec::with_capacity(self.regions.len() + self.ssm_regions.len() * 4);
         for r in &self.regions {
-            if r.block_len % bsr != 0 {
-                return Err(LayoutError::BadBlockSizeRatio {
-                    bsr,
-                    detail: format!("region {} has kernel page {}", r.name, r.block_len),
-                });
-            }
             let sub = r.block_len / bsr;
             if bsr == 1 || r.block_stride == r.block_len {
                 let stride = r.block_stride / bsr;
@@ -219,7 +228,7 @@ impl RegionTable {
                 }
             }
         }
-        let num_fa = self.num_fa_descs(bsr);
+        let num_fa = self.num_fa_descs(bsr)?;
         rows.extend(self.ssm_rows(dev));
         Ok(DescTable::new(rows, num_fa))
     }

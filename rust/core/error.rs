@@ -148,6 +148,17 @@ pub enum LayoutError {
     /// A layout feature hybrid-kv deliberately does not support.
     #[error("not supported: {0}")]
     NotSupported(String),
+    /// A page layout the tensors contradict, or one hybrid-kv cannot address.
+    #[error("{0}")]
+    PageLayout(String),
+    /// A layout field that is unknown, misspelled, missing or mistyped (`at` names where: layer and field).
+    #[error("{at}: {reason}")]
+    BadField {
+        /// Where: `layout`, or the layer (name and index) and the part of it (`spec`, `memory`).
+        at: String,
+        /// What is wrong (serde's words: the unknown key and the expected ones).
+        reason: String,
+    },
     /// A layer name that is not one of the table's layers (e.g. a stream hook).
     #[error("no layer named {0:?} in this region table")]
     UnknownLayer(String),

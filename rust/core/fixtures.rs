@@ -91,6 +91,7 @@ pub fn dense_memory(base: u64, bytes: u64, mem_type: MemType) -> LayerMemory {
         device: 0,
         mem_type,
         num_blocks: None,
+        page_layout: None,
     }
 }
 
@@ -123,6 +124,7 @@ pub fn hybrid_mla_f2(bases: [u64; 2], num_blocks: u64) -> RankLayout {
         num_logical_blocks: num_blocks,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 
@@ -154,6 +156,7 @@ pub fn deepseek_v3_like(regions: u32, num_blocks: u64) -> RankLayout {
         num_logical_blocks: num_blocks,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 
@@ -207,6 +210,7 @@ pub fn kimi_linear_like(regions: u32, heads: u64, num_logical_blocks: u64) -> Ra
         num_logical_blocks,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 

@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::engine_info::{is_compat_hash, EngineInfo, COMPAT_HASH_LEN};
+use super::kv_layout::{page_order_of, PageOrder};
 use super::layout::MemType;
 use super::region::{GroupKind, RegionTable};
 
@@ -109,27 +111,13 @@ pub struct AgentMeta {
     pub prefix_caching: bool,
 }
 
-/// Identity and model facts that are not part of the region table.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct EngineInfo {
-    /// Engine id.
-    pub engine_id: String,
-    /// Opaque NIXL agent metadata.
-    pub agent_metadata: Vec<u8>,
-    /// KV layout name.
-    pub kv_layout: String,
-    /// Attention backend name.
-    pub attn_backend: String,
-    /// Transfer mode.
-    pub transfer_mode: TransferMode,
-    /// Model compatibility hash.
-    pub compat_hash: String,
-    /// Whether prefix caching is enabled.
-    #[serde(default)]
-    pub prefix_caching: bool,
-}
-
 impl AgentMeta {
+    /// The order of cells in this rank's attention pages, from its `kv_layout` (`None` for an unknown name, or
+    /// a layout whose pages are not contiguous; a well-formed metadata with attention groups has one).
+    pub fn page_order(&self) -> Option<PageOrder> {
+        page_order_of(&self.kv_layout).ok().flatten()
+    }
+
     /// Describe a rank's region table for its peers.
     pub fn from_table(table: &RegionTable, info: &EngineInfo) -> AgentMeta {
         let split = table.conv_split.as_ref();
@@ -165,7 +153,11 @@ impl AgentMeta {
             conv_proj_bytes: split.map_or_else(Vec::new, |s| s.proj_bytes.clone()),
             use_mla: table.use_mla,
             total_num_kv_heads: table.total_num_kv_heads,
-            kv_layout: info.kv_layout.clone(),
+            kv_layout: if info.kv_layout.is_empty() {
+                table.page_order.name().to_string()
+            } else {
+                info.kv_layout.clone()
+            },
             attn_backend: info.attn_backend.clone(),
             transfer_mode: info.transfer_mode,
             compat_hash: info.compat_hash.clone(),

@@ -2,11 +2,14 @@
 #![forbid(unsafe_code)]
 
 pub mod adversary;
+pub mod alias;
 pub mod coalesce;
 pub mod descs;
+pub mod engine_info;
 pub mod error;
 pub mod handshake;
 pub mod id_pairs;
+pub mod kv_layout;
 pub mod layout;
 pub mod meta;
 pub mod plan;
@@ -27,6 +30,8 @@ pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec}
 pub mod fixtures;
 mod natural;
 
+#[cfg(test)]
+mod alias_tests;
 #[cfg(test)]
 mod hardening_tests;
 #[cfg(test)]

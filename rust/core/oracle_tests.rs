@@ -99,6 +99,13 @@ fn kind(g: &Group, tp: u64, rank: u64) -> Kind {
     }
 }
 
+/// Whether the engine's attention pages are token-major (its `kv_layout`).
+fn token_major(e: &Engine) -> bool {
+    e.kv_layout
+        .as_deref()
+        .is_some_and(|l| super::kv_layout::page_order_of(l) == Ok(Some(super::kv_layout::PageOrder::TokenMajor)))
+}
+
 /// Write `f(byte offset in tensor, key)` for every byte of request block `b` (list position `pos`) of group `g`.
 #[allow(clippy::too_many_arguments)]
 fn visit(
@@ -119,7 +126,13 @@ fn visit(
                 let (j, tt) = (t / e.kernel_block_size, t % e.kernel_block_size);
                 for h in 0..*heads {
                     for c in 0..*cell {
-                        let off = b * page + j * kpage + h * e.kernel_block_size * cell + tt * cell + c;
+                        // docs/byte-layouts.md: heads-major `[heads, tokens, cell]` or token-major `[tokens, heads, cell]`
+                        let cell_at = if token_major(e) {
+                            tt * heads * cell + h * cell
+                        } else {
+                            h * e.kernel_block_size * cell + tt * cell
+                        };
+                        let off = b * page + j * kpage + cell_at + c;
                         f(off, key(&[head, &[1, token0 + t, h0 + h, c]].concat()));
                     }
                 }
@@ -324,6 +337,8 @@ enum Family {
     GqaMamba1,
     PureMla,
     PureGqa,
+    /// K and V in separate tensors (SGLang's MHA pool): a K group and a V group, each `head_size_v` 0.
+    KvApart,
 }
 
 fn ssm(mamba: MambaKind) -> Group {
@@ -392,6 +407,25 @@ fn model(f: Family, heads: u64) -> Model {
             vec![mla],
             (0..2).map(|i| vec![layer(format!("layers.{i}"), 0)]).collect(),
         ),
+        Family::KvApart => {
+            let part = |head_size| Group::Attention {
+                num_kv_heads: heads,
+                head_size,
+                head_size_v: Some(0),
+                dtype_bytes: 1,
+            };
+            (
+                vec![part(1), part(2)],
+                (0..2)
+                    .flat_map(|i| {
+                        [
+                            vec![layer(format!("attn.{i}.k"), 0)],
+                            vec![layer(format!("attn.{i}.v"), 1)],
+                        ]
+                    })
+                    .collect(),
+            )
+        }
         Family::PureGqa => (
             vec![attn.clone(), attn],
             vec![
@@ -421,20 +455,25 @@ fn min_logical(f: Family, heads: u64, tp: u64) -> u64 {
 prop_compose! {
     /// A random deployment: every family, both modes, any TP pair, mixed kernel blocks, prefix hits.
     pub(crate) fn scenario()(
-        fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::GqaMamba1, Family::PureMla, Family::PureGqa]),
+        fam in prop::sample::select(vec![Family::HybridMla, Family::GqaSsm, Family::GqaMamba1, Family::PureMla, Family::PureGqa, Family::KvApart]),
         heads in prop::sample::select(vec![1u64, 2, 4, 8]),
         tps in (prop::sample::select(vec![1u32, 2, 4, 8]), prop::sample::select(vec![1u32, 2, 4, 8])),
         kernels in (prop::sample::select(vec![2u64, 4, 8]), prop::sample::select(vec![2u64, 4, 8])),
         extra_ppl in (0u64..2, 0u64..2),
         push in any::<bool>(),
         contiguous in any::<bool>(),
+        layouts in prop::sample::select(vec![(None, None), (Some("LBHNC"), Some("HND")), (Some("NHD"), Some("LBNHC")), (Some("BLNHC"), Some("NHD"))]),
         seed in any::<u64>(),
     ) -> Scenario {
         let (ptp, dtp) = tps;
         let single_head = |tp: u32| heads <= u64::from(tp);
-        let gqa = matches!(fam, Family::GqaSsm | Family::GqaMamba1 | Family::PureGqa);
+        let gqa = matches!(fam, Family::GqaSsm | Family::GqaMamba1 | Family::PureGqa | Family::KvApart);
+        let token_major = layouts.0.is_some_and(|l| l.contains("NH"));
+        // Token-major pages split between TP sizes are cut per token: at most 128 tokens per kernel block, which
+        // the kernels here always are.
         // Heads-major pages with several heads per rank cannot be cut into token sub-blocks: equal kernels.
-        let (pk, dk) = if gqa && !(single_head(ptp) && single_head(dtp)) { (kernels.0, kernels.0) } else { kernels };
+        let cut_ok = token_major || (single_head(ptp) && single_head(dtp));
+        let (pk, dk) = if gqa && !cut_ok { (kernels.0, kernels.0) } else { kernels };
         let lbs = |k: u64, tp: u32, extra: u64| {
             let need = min_logical(fam, heads, u64::from(tp));
             (need.div_ceil(k).max(1) + extra) * k
@@ -483,8 +522,8 @@ prop_compose! {
         Scenario {
             name: Some(format!("{fam:?}")),
             model: m,
-            prefill: Engine { tp_size: ptp, logical_block_size: pl, kernel_block_size: pk, num_blocks: pn },
-            decode: Engine { tp_size: dtp, logical_block_size: dl, kernel_block_size: dk, num_blocks: dn },
+            prefill: Engine { tp_size: ptp, logical_block_size: pl, kernel_block_size: pk, num_blocks: pn, kv_layout: layouts.0.map(String::from) },
+            decode: Engine { tp_size: dtp, logical_block_size: dl, kernel_block_size: dk, num_blocks: dn, kv_layout: layouts.1.map(String::from) },
             mode: if push { TransferMode::Push } else { TransferMode::Pull },
             requests,
         }
@@ -534,12 +573,14 @@ fn oracle_contiguous_requests_use_chunks() {
                         logical_block_size: 4,
                         kernel_block_size: 4,
                         num_blocks: 48,
+                        kv_layout: None,
                     },
                     decode: Engine {
                         tp_size: dtp,
                         logical_block_size: 4,
                         kernel_block_size: dk,
                         num_blocks: 48,
+                        kv_layout: None,
                     },
                     mode,
                     requests: vec![req],
@@ -571,16 +612,64 @@ fn oracle_hybrid_mla_tp_grid() {
                         logical_block_size: 8,
                         kernel_block_size: 4,
                         num_blocks: 6,
+                        kv_layout: None,
                     },
                     decode: Engine {
                         tp_size: dtp,
                         logical_block_size: 12,
                         kernel_block_size: 2,
                         num_blocks: 6,
+                        kv_layout: None,
                     },
                     mode,
                     requests: vec![req],
                 };
+                simulate(&s);
+            }
+        }
+    }
+}
+
+/// Token-major pages of several heads per rank with different kernel block sizes on the two sides, both modes
+/// and both directions of the ratio: planned by token ranges, byte-exact; the same deployment with heads-major
+/// pages is refused (it would need a per-head conversion).
+#[test]
+fn oracle_token_major_pages_of_different_block_sizes() {
+    for (pk, dk) in [(8u64, 4u64), (4, 8), (4, 6)] {
+        for tp in [1u32, 2] {
+            for mode in [TransferMode::Pull, TransferMode::Push] {
+                let m = model(Family::PureGqa, 4);
+                let req = Request {
+                    id: "r".into(),
+                    prefill: vec![vec![3, 1, 4], vec![0, 2, 5]],
+                    decode: vec![vec![5, 2, 0], vec![1, 4, 3]],
+                };
+                let engine = |k: u64, layout: &str| Engine {
+                    tp_size: tp,
+                    logical_block_size: 24,
+                    kernel_block_size: k,
+                    num_blocks: 6,
+                    kv_layout: Some(layout.into()),
+                };
+                let mut s = Scenario {
+                    name: None,
+                    model: m,
+                    prefill: engine(pk, "LBNHC"),
+                    decode: engine(dk, "NHD"),
+                    mode,
+                    requests: vec![req],
+                };
+                simulate(&s);
+                s.prefill.kv_layout = Some("HND".into());
+                s.decode.kv_layout = None;
+                assert!(Deployment::build(&s).and_then(|d| d.plan_all().map(|_| ())).is_err());
+                // and the same token-major pages split between TP sizes (per-token head slices)
+                s.prefill.kv_layout = Some("NHD".into());
+                s.decode.kv_layout = Some("BLNHC".into());
+                s.decode.tp_size = tp * 2;
+                simulate(&s);
+                s.decode.tp_size = tp;
+                s.prefill.tp_size = tp * 2;
                 simulate(&s);
             }
         }

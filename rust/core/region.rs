@@ -8,8 +8,10 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::alias::{can_alias, check_aliases, check_no_overlap};
 use super::coalesce::ChunkedBases;
 use super::error::LayoutError;
+use super::kv_layout::{rank_page_order, LayerOrder, PageOrder};
 use super::layout::{LayerInput, MemType, RankLayout};
 use super::natural::natural_cmp;
 use super::spec::{ConvSplit, LayerSpec};
@@ -120,6 +122,9 @@ pub struct RegionTable {
     pub use_mla: bool,
     /// Total KV heads across TP (1 for MLA).
     pub total_num_kv_heads: u64,
+    /// Order of the (head, token) cells in this rank's attention pages (from its tensors or its `kv_layout`).
+    #[serde(default)]
+    pub page_order: PageOrder,
     /// This rank's TP index.
     pub tp_rank: u32,
     /// TP size.
@@ -311,6 +316,15 @@ impl RegionTable {
             }
         }
         let groups = group_kinds(&layers)?;
+        let orders: Vec<LayerOrder<'_>> = layers
+            .iter()
+            .filter(|l| !l.spec.is_mla() && !l.spec.is_ssm())
+            .map(|l| LayerOrder {
+                name: &l.name,
+                order: l.memory.page_layout,
+            })
+            .collect();
+        let page_order = rank_page_order(layout.kv_layout.as_deref(), &orders)?;
         let first = layers[0];
         let (device, mem_type) = (first.memory.device, first.memory.mem_type);
 
@@ -353,8 +367,16 @@ impl RegionTable {
                 }
             }
             let is_mla = layer.spec.is_mla();
-            let idx = match by_base.get(&mem.base) {
-                Some(&idx) => {
+            // Regions are keyed by (base, page length): a layer joins the region of its base and page; a layer of
+            // another page at a known base is an alias, a region of its own, when it steps by the same stride.
+            let same_page = regions
+                .iter()
+                .position(|r| r.base == mem.base && r.block_len == view.block_len);
+            let first = by_base.get(&mem.base).copied();
+            let idx = match (same_page.or(first), first) {
+                (Some(idx), Some(f))
+                    if same_page.is_some() || !can_alias(&regions[f], (view.block_stride, view.num_blocks)) =>
+                {
                     let r = &mut regions[idx];
                     if (r.block_len, r.block_stride, r.num_blocks)
                         != (view.block_len, view.block_stride, view.num_blocks)
@@ -376,8 +398,8 @@ impl RegionTable {
                     }
                     idx
                 }
-                None => {
-                    by_base.insert(mem.base, regions.len());
+                _ => {
+                    by_base.entry(mem.base).or_insert(regions.len());
                     owner.push(&layer.name);
                     regions.push(Region {
                         name: layer.name.clone(),
@@ -406,6 +428,7 @@ impl RegionTable {
                 }
             }
         }
+        check_aliases(&regions, &owner)?;
         check_no_overlap(&regions)?;
         let use_mla = groups.contains(&GroupKind::Mla) && !groups.contains(&GroupKind::Attention);
         let has_ssm = conv_split.is_some();
@@ -423,6 +446,7 @@ impl RegionTable {
             conv_split: conv_split.map(|(s, _)| s),
             use_mla,
             total_num_kv_heads: if use_mla { 1 } else { layout.total_num_kv_heads.max(1) },
+            page_order,
             tp_rank: layout.tp_rank,
             tp_size: layout.tp_size,
             device,
@@ -437,36 +461,35 @@ impl RegionTable {
         self.conv_split.is_some()
     }
 
-    /// Registration descriptors `(addr, bytes, device)`, one per region, in region order.
+    /// Registration descriptors `(addr, bytes, device)`, one per tensor (aliases of one base once), in region order.
     pub fn registration(&self) -> Vec<[u64; 3]> {
-        self.regions
-            .iter()
-            .map(|r| [r.base, r.bytes, u64::from(self.device)])
-            .collect()
+        // one per tensor: aliases of one base are registered once, to their furthest end
+        let mut out: Vec<[u64; 3]> = Vec::with_capacity(self.regions.len());
+        for r in &self.regions {
+            match out.iter_mut().find(|e| e[0] == r.base) {
+                Some(e) => e[1] = e[1].max(r.bytes),
+                None => out.push([r.base, r.bytes, u64::from(self.device)]),
+            }
+        }
+        out
     }
 
     /// Flat count of attention (FA) descriptors at block-size ratio `bsr`.
-    pub fn num_fa_descs(&self, bsr: u64) -> u64 {
-        self.regions.iter().map(|r| r.num_blocks * bsr).sum()
+    ///
+    /// # Errors
+    /// `BadBlockSizeRatio` as [`RegionTable::local_table`] gives it (0, or not dividing a kernel page);
+    /// `AddressOverflow` when the count does not fit 64 bits.
+    pub fn num_fa_descs(&self, bsr: u64) -> Result<u64, LayoutError> {
+        self.check_bsr(bsr)?;
+        self.regions.iter().try_fold(0u64, |acc, r| {
+            r.num_blocks
+                .checked_mul(bsr)
+                .and_then(|n| acc.checked_add(n))
+                .ok_or_else(|| LayoutError::AddressOverflow {
+                    what: format!("attention descriptor count at block size ratio {bsr}"),
+                    addr: r.num_blocks,
+                    len: bsr,
+                })
+        })
     }
-}
-
-fn check_no_overlap(regions: &[Region]) -> Result<(), LayoutError> {
-    let mut order: Vec<&Region> = regions.iter().collect();
-    order.sort_by_key(|r| r.base);
-    for pair in order.windows(2) {
-        let (a, b) = (pair[0], pair[1]);
-        let a_end = a.base + a.bytes; // checked when the layer was read
-        if a_end > b.base {
-            return Err(LayoutError::Overlap {
-                a: a.name.clone(),
-                a_start: a.base,
-                a_end,
-                b: b.name.clone(),
-                b_start: b.base,
-                b_end: b.base + b.bytes,
-            });
-        }
-    }
-    Ok(())
 }

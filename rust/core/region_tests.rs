@@ -18,7 +18,7 @@ fn f2_dual_purpose_regions_are_mla_with_kernel_pages() {
     assert_eq!(t.regions.iter().map(|r| r.is_mla).collect::<Vec<_>>(), vec![true, true]);
     assert_eq!(t.regions.iter().map(|r| r.block_len).collect::<Vec<_>>(), vec![48, 48]);
     assert_eq!(t.regions.iter().map(|r| r.base).collect::<Vec<_>>(), vec![T0, T1]);
-    assert_eq!(t.num_fa_descs(1), 24);
+    assert_eq!(t.num_fa_descs(1), Ok(24));
     assert_eq!(t.ssm_regions, vec![0, 1]);
     assert!(t.use_mla);
     let split = t.conv_split.as_ref().unwrap();
@@ -84,6 +84,7 @@ fn fa_layer(name: &str, group: u32, base: u64, num_blocks: u64) -> LayerInput {
             device: 0,
             mem_type: MemType::Dram,
             num_blocks: Some(num_blocks),
+            page_layout: None,
         },
     }
 }
@@ -97,6 +98,7 @@ fn fa_layout(layers: Vec<LayerInput>) -> RankLayout {
         num_logical_blocks: 3,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 

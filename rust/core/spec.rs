@@ -8,12 +8,15 @@ use super::error::LayoutError;
 
 /// Non-MLA attention (full or sliding window): K and V per head, packed per token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AttentionSpec {
     /// KV heads on this rank.
     pub num_kv_heads: u64,
     /// Elements per head for K.
     pub head_size: u64,
-    /// Elements per head for V (defaults to `head_size`).
+    /// Elements per head for V (defaults to `head_size`); 0 for a tensor that holds one of K and V alone (an
+    /// engine keeping K and V in separate tensors describes each as its own layer, with its elements as
+    /// `head_size`).
     #[serde(default)]
     pub head_size_v: Option<u64>,
     /// Bytes per element.
@@ -25,6 +28,7 @@ pub struct AttentionSpec {
 
 /// MLA attention: one latent per token, identical on every TP rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MlaSpec {
     /// Latent elements per token (e.g. 512 + 64 for DeepSeek-V3).
     pub head_size: u64,
@@ -49,6 +53,7 @@ pub enum MambaKind {
 
 /// A linear-attention / SSM state (one full state per logical block, never split).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SsmSpec {
     /// Conv sub-projection family.
     pub kind: MambaKind,
@@ -213,7 +218,7 @@ impl LayerSpec {
     ///
     /// # Errors
     /// `BadSsmSpec` for an inconsistent SSM spec, `StateLargerThanPage` for an SSM page smaller than its
-    /// state, `Zero` naming an attention field that is 0 (`head_size_v` too, when given), `AddressOverflow`
+    /// state, `Zero` naming an attention field that is 0 (`head_size_v` may be: K or V alone), `AddressOverflow`
     /// for a page over 64 bits.
     pub fn page_bytes(&self, block_size: u64, layer: &str) -> Result<u64, LayoutError> {
         let overflow = || LayoutError::AddressOverflow {
@@ -234,9 +239,7 @@ impl LayerSpec {
             LayerSpec::FullAttention(a) | LayerSpec::SlidingWindow(a) => {
                 positive(a.num_kv_heads, "num_kv_heads")?;
                 positive(a.head_size, "head_size")?;
-                if let Some(v) = a.head_size_v {
-                    positive(v, "head_size_v")?;
-                }
+                // `head_size_v` 0: a tensor of K (or of V) alone, as engines that keep K and V apart store them
                 positive(a.dtype_bytes, "dtype_bytes")?;
                 if let Some(p) = a.page_size_padded {
                     return positive(p, "page_size_padded");
@@ -373,7 +376,6 @@ mod tests {
         for (spec, field) in [
             (fa(0, 4, None, 2), "num_kv_heads"),
             (fa(2, 0, None, 2), "head_size"),
-            (fa(2, 4, Some(0), 2), "head_size_v"),
             (fa(2, 4, Some(4), 0), "dtype_bytes"),
             (mla(0, 2), "head_size"),
             (mla(6, 0), "dtype_bytes"),
@@ -382,6 +384,14 @@ mod tests {
             assert_eq!(err, format!("{field} of layer l.0 must be positive, got 0"));
         }
         assert_eq!(fa(2, 4, Some(4), 2).page_bytes(16, "l.0").unwrap(), 64);
+        let k_only = LayerSpec::FullAttention(AttentionSpec {
+            num_kv_heads: 2,
+            head_size: 4,
+            head_size_v: Some(0),
+            dtype_bytes: 2,
+            page_size_padded: None,
+        });
+        assert_eq!(k_only.page_bytes(16, "l.0.k").unwrap(), 16 * 2 * 4 * 2);
     }
 
     #[test]

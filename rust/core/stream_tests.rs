@@ -41,6 +41,7 @@ pub(crate) fn hma(pattern: &str, size: usize) -> RankLayout {
         num_logical_blocks: blocks,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 

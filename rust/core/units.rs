@@ -57,6 +57,46 @@ impl BlockUnits {
         Ok(units)
     }
 
+    /// Units of one token each: how token-major pages are cut when heads are split between TP sizes, since a
+    /// head range of a token-major page is contiguous only inside one token.
+    ///
+    /// # Errors
+    /// `Mismatch` when a size is zero or a kernel block has more than [`MAX_UNITS_PER_BLOCK`] tokens.
+    pub fn per_token(local_kernel: u64, remote_kernel: u64) -> Result<BlockUnits, PlanError> {
+        if local_kernel.max(remote_kernel) > MAX_UNITS_PER_BLOCK || local_kernel == 0 || remote_kernel == 0 {
+            return Err(PlanError::Mismatch {
+                what: format!(
+                    "kernel block size (tokens; token-major pages split between TP sizes are cut per token, \
+                     at most {MAX_UNITS_PER_BLOCK} tokens per block)"
+                ),
+                local: local_kernel.to_string(),
+                remote: remote_kernel.to_string(),
+            });
+        }
+        Ok(BlockUnits {
+            unit_tokens: 1,
+            local_sub: local_kernel,
+            remote_sub: remote_kernel,
+        })
+    }
+
+    /// The units a pair of ranks is planned in: per token when token-major attention pages are split between
+    /// TP sizes (`heads` per rank differ), else the common unit of the two kernel blocks.
+    ///
+    /// # Errors
+    /// As [`BlockUnits::new`] and [`BlockUnits::per_token`].
+    pub fn for_pages(
+        (local_kernel, remote_kernel): (u64, u64),
+        token_major_gqa: bool,
+        (local_heads, remote_heads): (u64, u64),
+    ) -> Result<BlockUnits, PlanError> {
+        if token_major_gqa && local_heads != remote_heads {
+            BlockUnits::per_token(local_kernel, remote_kernel)
+        } else {
+            BlockUnits::new(local_kernel, remote_kernel)
+        }
+    }
+
     /// True when both sides use their whole kernel blocks.
     pub fn is_identity(&self) -> bool {
         self.local_sub == 1 && self.remote_sub == 1

@@ -15,6 +15,9 @@
 //!   that is not a layout, a plan or a payload (e.g. descriptor rows handed to `expand_rows`) is a `ValueError`;
 //! - a bug (a panic caught by [`no_panic`], a result that does not serialize) is the base `HybridKvError`.
 //!
+//! `LayoutError` and `PlanError` are also `ValueError`s (a layout, ids, a mode are arguments), so a caller that
+//! knows nothing of hybrid-kv catches them as bad arguments; both are made at module init with two bases.
+//!
 //! `TransferError` is defined here so that the hierarchy is one (`hybrid_kv.TransferError` is a
 //! `HybridKvError`), but only the Python transport raises it (`hybrid_kv.transport.TransferError` is its
 //! subclass, carrying the request id and the failed transfers).
@@ -194,6 +197,8 @@ pub use python::*;
 mod python {
     use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
     use pyo3::prelude::*;
+    use pyo3::sync::PyOnceLock;
+    use pyo3::types::{PyDict, PyType};
     use pyo3::{create_exception, types::PyTuple};
 
     use super::{Error, Kind};
@@ -203,18 +208,6 @@ mod python {
         HybridKvError,
         PyException,
         "Base class of every hybrid-kv error."
-    );
-    create_exception!(
-        hybrid_kv,
-        LayoutError,
-        HybridKvError,
-        "A rank's layout cannot be turned into a region table."
-    );
-    create_exception!(
-        hybrid_kv,
-        PlanError,
-        HybridKvError,
-        "A transfer cannot be planned for the given geometry, ids or mode."
     );
     create_exception!(
         hybrid_kv,
@@ -229,6 +222,32 @@ mod python {
         "A NIXL transfer failed, timed out or was refused (raised by the Python transport)."
     );
 
+    /// `hybrid_kv.LayoutError`: a `HybridKvError` and a `ValueError` (a layout is an argument), made at module init.
+    static LAYOUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    /// `hybrid_kv.PlanError`: a `HybridKvError` and a `ValueError` (ids, modes and geometry are arguments).
+    static PLAN_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+    const LAYOUT_DOC: &str = "A rank's layout cannot be turned into a region table (also a ValueError).";
+    const PLAN_DOC: &str = "A transfer cannot be planned for the given geometry, ids or mode (also a ValueError).";
+
+    /// A class deriving from both `HybridKvError` and `ValueError`, in module `hybrid_kv`.
+    fn value_error_class(py: Python<'_>, name: &str, doc: &str) -> PyResult<Py<PyType>> {
+        let bases = (py.get_type::<HybridKvError>(), py.get_type::<PyValueError>());
+        let dict = PyDict::new(py);
+        dict.set_item("__module__", "hybrid_kv")?;
+        dict.set_item("__doc__", doc)?;
+        let class = py.get_type::<PyType>().call1((name, bases, dict))?;
+        Ok(class.cast_into::<PyType>()?.unbind())
+    }
+
+    /// An exception of one of the two made classes (the base class if the module was never initialized).
+    fn made(cell: &PyOnceLock<Py<PyType>>, message: String) -> PyErr {
+        Python::attach(|py| match cell.get(py) {
+            Some(t) => PyErr::from_type(t.bind(py).clone(), message),
+            None => HybridKvError::new_err(message),
+        })
+    }
+
     /// A finding as a Python tuple `(check, local, remote, detail)`.
     pub type PyFinding = (String, String, String, String);
 
@@ -241,8 +260,8 @@ mod python {
     impl From<Error> for PyErr {
         fn from(e: Error) -> PyErr {
             let err = match e.kind {
-                Kind::Layout => LayoutError::new_err(e.message),
-                Kind::Plan => PlanError::new_err(e.message),
+                Kind::Layout => made(&LAYOUT_ERROR, e.message),
+                Kind::Plan => made(&PLAN_ERROR, e.message),
                 Kind::Handshake => HandshakeError::new_err(e.message),
                 Kind::Type => PyTypeError::new_err(e.message),
                 Kind::Value => PyValueError::new_err(e.message),
@@ -263,8 +282,10 @@ mod python {
     pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         let py = m.py();
         m.add("HybridKvError", py.get_type::<HybridKvError>())?;
-        m.add("LayoutError", py.get_type::<LayoutError>())?;
-        m.add("PlanError", py.get_type::<PlanError>())?;
+        let layout = LAYOUT_ERROR.get_or_try_init(py, || value_error_class(py, "LayoutError", LAYOUT_DOC))?;
+        m.add("LayoutError", layout.bind(py))?;
+        let plan = PLAN_ERROR.get_or_try_init(py, || value_error_class(py, "PlanError", PLAN_DOC))?;
+        m.add("PlanError", plan.bind(py))?;
         let handshake = py.get_type::<HandshakeError>();
         // Every instance has `findings`: the failed checks where a validation raised it, else none.
         handshake.setattr("findings", PyTuple::empty(py))?;

@@ -9,7 +9,7 @@ use pyo3::types::{PyBytes, PyString};
 
 use super::convert::to_py;
 use super::errors::{finding_tuple, no_panic, Error, Kind, PyFinding};
-use crate::core::handshake::{self as hs, Expected, Finding, ModelFactors};
+use crate::core::handshake::{self as hs, Expected, Finding};
 use crate::core::AgentMeta;
 
 /// Metadata from a dict as `decode_meta` returns it (the JSON data model: lists for tuples, a list of ints
@@ -76,15 +76,29 @@ pub fn meta_fingerprint(data: &[u8]) -> PyResult<String> {
 
 /// Model compatibility hash (hex SHA-256) of the model factors, given as a dict or as JSON text.
 ///
+/// Args:
+///     factors (dict | str): the model facts both engines must share (`hybrid_kv.ModelFactors`, every field
+///         documented there): `model`, `dtype`, `cache_dtype`, `total_num_kv_heads`, `head_size`,
+///         `num_hidden_layers`, `attn_backend`, `hma`, `speculative`, `transfer_mode` and optionally `connector`.
 /// Raises:
-///     HandshakeError: not a factors object (a missing or mistyped field, named).
+///     ValueError: unknown or missing keys (every one named at once), or text that is not JSON.
+///     TypeError: not an object, or a value of the wrong type (named as `factors["key"]`).
 #[pyfunction]
 pub fn compat_hash(factors: &Bound<'_, PyAny>) -> PyResult<String> {
-    let parsed: Result<ModelFactors, String> = match factors.cast::<PyString>() {
-        Ok(text) => serde_json::from_str(text.to_str()?).map_err(|e| e.to_string()),
-        Err(_) => pythonize::depythonize(factors).map_err(|e| e.to_string()),
+    let value: serde_json::Value = match factors.cast::<PyString>() {
+        Ok(text) => {
+            serde_json::from_str(text.to_str()?).map_err(|e| Error::value_error(format!("factors: not JSON: {e}")))?
+        }
+        Err(_) => pythonize::depythonize(factors).map_err(|e| Error::type_error(format!("factors: {e}")))?,
     };
-    let factors = parsed.map_err(|e| Error::handshake(format!("bad model factors: {e}")))?;
+    let factors = hs::parse_factors(&value).map_err(|e| {
+        let message = format!("{}: {}", e.at, e.why);
+        if e.type_error {
+            Error::type_error(message)
+        } else {
+            Error::value_error(message)
+        }
+    })?;
     Ok(hs::compat_hash(&factors))
 }
 

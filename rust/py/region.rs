@@ -33,6 +33,17 @@ impl PyRegionTable {
     }
 }
 
+/// A malformed `engine_info` (a local argument): a `TypeError` for a value of the wrong type, else a
+/// `ValueError`; both name the parameter and the key.
+fn engine_info_error(at: &str, why: &str) -> Error {
+    let message = format!("{at}: {why}");
+    if why.starts_with("invalid type") || why.starts_with("expected a dict") {
+        Error::type_error(message)
+    } else {
+        Error::value_error(message)
+    }
+}
+
 #[pymethods]
 impl PyRegionTable {
     /// Build a region table from a rank layout given as JSON (see `hybrid_kv.layout`).
@@ -41,8 +52,7 @@ impl PyRegionTable {
     ///     LayoutError: the layout is malformed or inconsistent (the message names the value and limit).
     #[staticmethod]
     fn from_json(py: Python<'_>, layout_json: &str) -> PyResult<Self> {
-        let layout: RankLayout =
-            serde_json::from_str(layout_json).map_err(|e| Error::layout(format!("bad layout: {e}")))?;
+        let layout = RankLayout::from_json(layout_json).map_err(Error::from)?;
         let table = py.detach(|| RegionTable::build(&layout)).map_err(Error::from)?;
         Ok(PyRegionTable {
             inner: Arc::new(table),
@@ -111,9 +121,12 @@ impl PyRegionTable {
     }
 
     /// Flat count of attention descriptors at block-size ratio `bsr`.
+    ///
+    /// Raises:
+    ///     LayoutError: `bsr` is 0 or does not divide a kernel page (as `local_descs`), or the count overflows.
     #[pyo3(signature = (bsr = 1))]
-    fn num_fa_descs(&self, bsr: u64) -> u64 {
-        self.inner.num_fa_descs(bsr)
+    fn num_fa_descs(&self, bsr: u64) -> PyResult<u64> {
+        Ok(self.inner.num_fa_descs(bsr).map_err(Error::from)?)
     }
 
     /// Registration descriptors `(addr, bytes, device)` as an `(R, 3)` uint64 array.
@@ -148,12 +161,16 @@ impl PyRegionTable {
     /// This rank's handshake payload: its metadata as wire bytes, what peers fetch and `PeerPlan` decodes.
     ///
     /// Args:
-    ///     engine_info (dict): the engine facts that are not in the table: `engine_id`, `agent_metadata`
-    ///         (a list of ints; NIXL's own metadata travels beside the payload), `kv_layout`, `attn_backend`, `transfer_mode` ("pull" or "push"),
-    ///         `compat_hash` and optionally `prefix_caching`.
+    ///     engine_info (dict): the engine facts that are not in the table (`hybrid_kv.EngineInfo`): `engine_id`,
+    ///         `compat_hash` (`hybrid_kv.compat_hash` over the model factors), `attn_backend`, `transfer_mode`
+    ///         ("pull" or "push"), and optionally `agent_metadata` (a list of ints; NIXL's own metadata travels
+    ///         beside the payload), `kv_layout` (the engine's layout name; its page order must be the table's,
+    ///         which defaults to it) and `prefix_caching`. Unknown keys are refused.
     /// Raises:
     ///     PlanError: `transfer_mode` is not "pull" or "push".
-    ///     HandshakeError: another field is missing or mistyped (named).
+    ///     TypeError: a field of the wrong type (named).
+    ///     ValueError: an unknown or missing key, an unknown `kv_layout` or one whose page order the table's tensors
+    ///         contradict, or a `compat_hash` that is not a hash (each named as `engine_info[...]`).
     fn handshake_payload<'py>(
         &self,
         py: Python<'py>,
@@ -166,8 +183,11 @@ impl PyRegionTable {
                 }
             }
         }
-        let info: EngineInfo =
-            pythonize::depythonize(engine_info).map_err(|e| Error::handshake(format!("bad engine info: {e}")))?;
+        let value: serde_json::Value =
+            pythonize::depythonize(engine_info).map_err(|e| Error::type_error(format!("engine_info: {e}")))?;
+        let info = EngineInfo::from_value(&value).map_err(|(at, why)| engine_info_error(&at, &why))?;
+        info.check(&self.inner)
+            .map_err(|(field, why)| Error::value_error(format!("engine_info[{field:?}]: {why}")))?;
         let bytes = hs::encode(&AgentMeta::from_table(&self.inner, &info)).map_err(Error::from)?;
         Ok(PyBytes::new(py, &bytes))
     }

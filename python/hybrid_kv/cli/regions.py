@@ -41,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
     from ..torch_adapter import region_table_from_tensors
 
     layers, geometry = tiny_kimi_layers(args.regions)
-    table = region_table_from_tensors(layers, **geometry)
+    table = region_table_from_tensors(
+        layers,
+        logical_block_size=geometry["logical_block_size"],
+        kernel_block_size=geometry["kernel_block_size"],
+        num_logical_blocks=geometry["num_logical_blocks"],
+    )
     info = json.loads(table.to_json())
     if args.json:
         print(json.dumps(info, indent=2))

@@ -404,15 +404,20 @@ def fetch_reply(
     *,
     secret: bytes | str | None = None,
     to: str | None = None,
+    insecure: bool = False,
 ) -> MetaReply:
     """Ask the server at ``address`` for rank ``rank``'s whole reply (name, payload, NIXL metadata), as
     ``fetch_meta`` does; hand it to ``Endpoint.connect(..., reply=...)`` to connect from it without fetching
     again, so the connection is bound to the very bytes planned from.
 
+    ``secret`` (``None``: ``HYBRID_KV_SECRET``) authenticates the fetch; ``insecure=True`` fetches from an
+    ``Endpoint(insecure=True)`` without one (``secret`` must then be ``None``).
+
     Raises:
-        ChannelError: as ``fetch_named_meta``, or no secret.
+        ChannelError: as ``fetch_named_meta``, or no secret (and not ``insecure``).
     """
-    return fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=_client_key(secret), to=to)
+    key = _client_key(secret, insecure)
+    return fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=key, to=to)
 
 
 def send_control(
@@ -440,9 +445,9 @@ def send_control(
     return name
 
 
-def _client_key(secret: bytes | str | None) -> bytes | None:
+def _client_key(secret: bytes | str | None, insecure: bool = False) -> bytes | None:
     try:
-        return resolve_secret(secret, insecure=False, required=True, what="side-channel client")
+        return resolve_secret(secret, insecure=insecure, required=True, what="side-channel client")
     except ValueError as exc:
         raise ChannelError(str(exc)) from None
 

@@ -159,7 +159,13 @@ fn arb_meta() -> impl Strategy<Value = AgentMeta> {
         (1u32..64).prop_flat_map(|tp| (Just(tp), 0..tp)),
         any::<[u64; 2]>(),
         1u64..50,
-        (".{0,8}", ".{0,12}", any::<bool>(), any::<bool>(), any::<u32>()),
+        (
+            prop::sample::select(crate::core::kv_layout::KV_LAYOUTS.to_vec()),
+            ".{0,12}",
+            any::<bool>(),
+            any::<bool>(),
+            any::<u32>(),
+        ),
     )
         .prop_map(
             |(engine, blob, (tp, rank), bases, n, (layout, backend, push, pc, dev))| {
@@ -173,7 +179,7 @@ fn arb_meta() -> impl Strategy<Value = AgentMeta> {
                 let info = EngineInfo {
                     engine_id: engine,
                     agent_metadata: blob,
-                    kv_layout: layout,
+                    kv_layout: layout.to_string(),
                     attn_backend: backend,
                     transfer_mode: if push { TransferMode::Push } else { TransferMode::Pull },
                     compat_hash: "h".into(),

@@ -8,6 +8,7 @@
 
 mod codec;
 mod error;
+mod factors;
 mod fingerprint;
 mod pairs;
 mod scan;
@@ -21,6 +22,7 @@ mod validate_tests;
 
 pub use codec::{decode, encode};
 pub use error::{Finding, HandshakeError};
+pub use factors::{parse_factors, FactorsError, FACTORS};
 pub use fingerprint::{compat_hash, compat_hash_for, fingerprint, GeometryKey, ModelFactors, Ratio};
 pub use pairs::{check_pairs, PairVerdict};
 pub use scan::{prescan, prescan_within, ScanLimits, HANDSHAKE_LIMITS, MAX_DEPTH, MAX_LEN, MAX_PAYLOAD, MAX_STR};

@@ -12,14 +12,21 @@
 use super::error::{Finding, HandshakeError};
 use super::fingerprint::{fingerprint, GeometryKey};
 use super::wellformed::{placement_findings, structure_findings};
+use crate::core::alias::alias_roots;
+use crate::core::kv_layout::PageOrder;
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::region::GroupKind;
 use crate::core::tp::handshake_target_ranks;
 use crate::core::tp::tp_ratio;
 use crate::core::units::BlockUnits;
 
-/// Layouts whose last three physical dims are heads, tokens, channels: a head range is contiguous.
+/// Layouts whose pages are heads-major (heads, tokens, cell): a head range is contiguous.
 pub const HEAD_CONTIGUOUS_LAYOUTS: [&str; 3] = ["HND", "LBHNC", "BLHNC"];
+
+/// The page order of a well-formed metadata (structure findings ran first: a known, contiguous layout).
+fn order(m: &AgentMeta) -> PageOrder {
+    m.page_order().unwrap_or_default()
+}
 
 /// What the local side already knows about the peer it is connecting to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -56,6 +63,8 @@ pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> V
         return out; // values that are inconsistent on their own cannot be compared safely
     }
     own(placement_findings, &mut out);
+    // regions at one base that may not alias are reported as an overlap already
+    let overlapping = out.iter().any(|f| f.check.ends_with("region_overlap"));
     let mut add = |check: &str, l: String, r: String, why: String| out.push(Finding::new(check, l, r, why));
     if local.version != remote.version {
         add(
@@ -75,7 +84,7 @@ pub fn findings(local: &AgentMeta, remote: &AgentMeta, expected: &Expected) -> V
     }
     identity(local, remote, expected, &mut add);
     let ratio = tp(local, remote, expected, &mut add);
-    regions(local, remote, &mut add);
+    regions(local, remote, overlapping, &mut add);
 
     let units = block_units(local, remote, &mut add);
     heads(local, remote, ratio, &mut add);
@@ -215,7 +224,7 @@ fn tp(local: &AgentMeta, remote: &AgentMeta, expected: &Expected, add: &mut Add<
     }
 }
 
-fn regions(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
+fn regions(local: &AgentMeta, remote: &AgentMeta, overlapping: bool, add: &mut Add<'_>) {
     let (lk, rk) = (GeometryKey::of(local), GeometryKey::of(remote));
     if lk.region_names.len() != rk.region_names.len() {
         add(
@@ -240,6 +249,14 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
             "REPLICATE/SPLIT must agree",
         );
         diff("region_groups", list(&lk.region_groups), list(&rk.region_groups), "");
+        let roots = |m: &AgentMeta| alias_roots(&m.regions.iter().map(|r| r.base).collect::<Vec<_>>());
+        let roots = |m: &AgentMeta| if overlapping { Vec::new() } else { roots(m) };
+        diff(
+            "region_aliases",
+            list(&roots(local)),
+            list(&roots(remote)),
+            "the same regions must alias one tensor on both sides",
+        );
     }
     diff("group_kinds", list(&lk.groups), list(&rk.groups), "");
     diff("ssm_regions", list(&lk.ssm_regions), list(&rk.ssm_regions), "");
@@ -250,12 +267,16 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) {
         rk.total_num_kv_heads.to_string(),
         "",
     );
-    if !local.use_mla && local.kv_layout != remote.kv_layout {
+    if !local.use_mla && local.groups.contains(&GroupKind::Attention) && order(local) != order(remote) {
         add(
             "kv_layout",
             local.kv_layout.clone(),
             remote.kv_layout.clone(),
-            "head splitting needs one layout".into(),
+            format!(
+                "attention pages must order their cells alike ({} vs {})",
+                order(local).name(),
+                order(remote).name()
+            ),
         );
     }
 }
@@ -268,14 +289,20 @@ fn heads(local: &AgentMeta, remote: &AgentMeta, ratio: Option<i64>, add: &mut Ad
     }
     let k = local.total_num_kv_heads;
     let replicated = |m: &AgentMeta| u64::from(m.tp_size) > k;
-    if ratio.abs() != 1 && !replicated(remote) {
+    // One head per rank on both sides: a page is one head, whatever its cell order.
+    let one_head = GeometryKey::local_heads(local) == 1 && GeometryKey::local_heads(remote) == 1;
+    if ratio.abs() != 1 && !replicated(remote) && !one_head {
         for (side, m) in [("local", local), ("remote", remote)] {
-            if !HEAD_CONTIGUOUS_LAYOUTS.contains(&m.kv_layout.as_str()) {
+            // token-major pages are split per token, heads-major ones per page: both sides must be one or the other
+            if order(m) != order(local) || order(m) != order(remote) {
                 add(
                     "head_contiguity",
                     local.kv_layout.clone(),
                     remote.kv_layout.clone(),
-                    format!("heterogeneous TP splits heads, which needs one of {HEAD_CONTIGUOUS_LAYOUTS:?} ({side})"),
+                    format!(
+                        "heterogeneous TP splits heads, which needs one page order on both sides (heads-major: one of \
+                         {HEAD_CONTIGUOUS_LAYOUTS:?}) ({side})"
+                    ),
                 );
                 break;
             }
@@ -303,7 +330,10 @@ fn heads(local: &AgentMeta, remote: &AgentMeta, ratio: Option<i64>, add: &mut Ad
 /// by tokens (MLA latents, or one KV head per rank) whenever the sizes differ.
 fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Option<BlockUnits> {
     let (lk, rk) = (local.kernel_block_size, remote.kernel_block_size);
-    let units = match BlockUnits::new(lk, rk) {
+    let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
+    let has_gqa = local.groups.contains(&GroupKind::Attention);
+    let token_major = has_gqa && order(local) == PageOrder::TokenMajor && order(remote) == PageOrder::TokenMajor;
+    let units = match BlockUnits::for_pages((lk, rk), token_major, (lh, rh)) {
         Ok(u) => u,
         Err(e) => {
             add(
@@ -315,14 +345,14 @@ fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Opti
             return None;
         }
     };
-    let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
-    let heads_major = local.groups.contains(&GroupKind::Attention) && (lh > 1 || rh > 1);
+    // Token-major pages cut by tokens at any head count; heads-major ones only with one head per rank.
+    let heads_major = has_gqa && (lh > 1 || rh > 1) && !token_major;
     if !units.is_identity() && heads_major {
         add(
             "block_size_ratio",
             format!("kernel block {lk}, {lh} KV heads per rank"),
             format!("kernel block {rk}, {rh} KV heads per rank"),
-            "different kernel block sizes need token-contiguous pages (MLA, or one KV head per rank); \
+            "different kernel block sizes need token-contiguous pages (MLA, token-major pages, or one KV head per rank); \
              heads-major pages would need a layout conversion after the transfer, which hybrid-kv does not do"
                 .into(),
         );
@@ -376,7 +406,8 @@ fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, rat
             to_remote(u128::from(l.block_len))
         } else {
             let scaled = u128::from(l.block_len) * u128::from(rh) / u128::from(lh);
-            if ratio > 0 || u.is_identity() {
+            let token_major = order(local) == PageOrder::TokenMajor && order(remote) == PageOrder::TokenMajor;
+            if ratio > 0 || u.is_identity() || token_major {
                 to_remote(scaled)
             } else {
                 None

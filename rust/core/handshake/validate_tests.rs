@@ -85,6 +85,7 @@ fn gqa(k: u64, tp: u32, rank: u32, kernel: u64, regions: u64) -> RankLayout {
         num_logical_blocks: n,
         total_num_kv_heads: k,
         layers,
+        kv_layout: None,
     }
 }
 
@@ -256,9 +257,13 @@ fn layout_and_head_checks() {
     let mut remote = meta(&gqa(8, 4, 1, 16, 2), "p", TransferMode::Pull);
     remote.kv_layout = "NHD".into();
     assert_eq!(checks(&local, &remote), ["kv_layout", "head_contiguity"]);
+    // token-major pages on both sides are split per token (vLLM's LBNHC names the same order)
     let mut l2 = local.clone();
-    l2.kv_layout = "NHD".into();
-    assert_eq!(checks(&l2, &remote), ["head_contiguity"]);
+    l2.kv_layout = "LBNHC".into();
+    assert!(checks(&l2, &remote).is_empty(), "{:?}", checks(&l2, &remote));
+    // a name outside the vocabulary is malformed, on either side
+    l2.kv_layout = "XYZ".into();
+    assert_eq!(checks(&l2, &remote), ["local.kv_layout"]);
     // P_TP 4 > D_TP 1 while P replicates 2 KV heads.
     let d = meta(&gqa(2, 1, 0, 16, 1), "d", TransferMode::Pull);
     let p = meta(&gqa(2, 4, 0, 16, 1), "p", TransferMode::Pull);

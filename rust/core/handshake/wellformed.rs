@@ -11,6 +11,8 @@
 //! refuses both ([`check_well_formed`]).
 
 use super::error::Finding;
+use crate::core::alias::tensor_extents;
+use crate::core::kv_layout::page_order_of;
 use crate::core::meta::AgentMeta;
 use crate::core::region::GroupKind;
 use crate::core::tp::MAX_TP_SIZE;
@@ -39,6 +41,15 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
             "tp_rank",
             format!("{}/{}", m.tp_rank, m.tp_size),
             "tp_rank must be below a positive tp_size".into(),
+        );
+    }
+    if let Err(e) = page_order_of(&m.kv_layout) {
+        bad("kv_layout", format!("{:?}", m.kv_layout), e);
+    } else if m.groups.contains(&GroupKind::Attention) && m.page_order().is_none() {
+        bad(
+            "kv_layout",
+            format!("{:?}", m.kv_layout),
+            "attention pages must be one contiguous range per block (L and B axes outermost)".into(),
         );
     }
     if m.tp_size > MAX_TP_SIZE {
@@ -185,14 +196,31 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
 /// page (`block_len x ppl`). Values that do not compute (see [`structure_findings`]) are skipped here.
 pub fn placement_findings(m: &AgentMeta) -> Vec<Finding> {
     let mut out = Vec::new();
-    let mut extents: Vec<(u64, u64, usize)> = m
-        .regions
-        .iter()
-        .take(MAX_REGIONS)
-        .enumerate()
-        .filter_map(|(i, r)| Some((r.base, r.end()?, i)))
-        .collect();
-    extents.sort_unstable();
+    let regions: Vec<_> = m.regions.iter().take(MAX_REGIONS).collect();
+    let ssm = |i: usize| m.ssm_regions.iter().any(|&s| s as usize == i);
+    for (i, r) in regions.iter().enumerate() {
+        if let Some(j) = (0..i).find(|&j| regions[j].base == r.base) {
+            let a = regions[j];
+            let same_steps = (a.block_stride, a.num_blocks) == (r.block_stride, r.num_blocks);
+            if !same_steps || a.block_len == r.block_len || ssm(i) || ssm(j) {
+                let end = |x: &crate::core::meta::RegionMeta| x.end().unwrap_or(x.base);
+                out.push(Finding::invalid(
+                    "region_overlap",
+                    format!(
+                        "regions[{j}] [{:#x}, {:#x}) and regions[{i}] [{:#x}, {:#x})",
+                        a.base,
+                        end(a),
+                        r.base,
+                        end(r)
+                    ),
+                    "each region is its own tensor (only attention pages of different lengths may alias one, \
+                     stepping by one stride over one block count): writes into one would land in the other",
+                ));
+            }
+        }
+    }
+    // aliases of one base are one tensor; distinct tensors must not overlap
+    let extents = tensor_extents(regions.iter().map(|r| (r.base, r.end().unwrap_or(r.base))));
     for pair in extents.windows(2) {
         let ((a_base, a_end, a), (b_base, b_end, b)) = (pair[0], pair[1]);
         if a_end > b_base {

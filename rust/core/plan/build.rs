@@ -11,12 +11,14 @@ use super::error::{PlanError, Side};
 use super::failed::BlockMap;
 use super::ids::{shared_group_pairs, IdSpace, ID_LIMIT};
 use super::key::TableKey;
-use super::remote::remote_table;
+use super::remote::{heads_per_rank, remote_table};
 use super::routes::{attention_ranks, routes};
 use super::rows::{append_rows, StateStarts};
 use super::split::{split_table, Piece};
 use super::PeerPlan;
+use crate::core::alias::merge_alias_groups;
 use crate::core::descs::DescTable;
+use crate::core::kv_layout::PageOrder;
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::region::{hosts_attention, GroupKind, RegionTable};
 use crate::core::tp::TpMapping;
@@ -77,7 +79,13 @@ impl PeerPlan {
         let first = check_remotes(remotes, mode)?;
         let groups = local.groups.clone();
         let mapping = map_ranks(local, remotes, first, &groups, partial)?;
-        let units = BlockUnits::new(local.geometry.kernel_block_size, first.kernel_block_size)?;
+        let token_major_gqa = groups.contains(&GroupKind::Attention) && local.page_order == PageOrder::TokenMajor;
+        let heads = (
+            heads_per_rank(mapping.total_kv_heads, local.tp_size),
+            heads_per_rank(mapping.total_kv_heads, first.tp_size),
+        );
+        let kernels = (local.geometry.kernel_block_size, first.kernel_block_size);
+        let units = BlockUnits::for_pages(kernels, token_major_gqa, heads)?;
         check_remote_size(local, first, units, &mapping)?;
         let mut remote_tables = build_remote_tables(local, remotes, &mapping, units)?;
         let base = build_base_table(local, units)?;
@@ -272,7 +280,9 @@ fn id_spaces(
         groups,
     );
     // Both sides' region `r` take the same groups' ids (slots pair them), so they share the same pairs.
-    let shared = shared_group_pairs(groups, region_groups, &local.ssm_regions);
+    // aliases of one tensor count as one region: a block id in two of their groups is refused
+    let bases: Vec<u64> = local.regions.iter().map(|r| r.base).collect();
+    let shared = shared_group_pairs(groups, &merge_alias_groups(&bases, region_groups), &local.ssm_regions);
     (
         IdSpace {
             shared: shared.clone(),

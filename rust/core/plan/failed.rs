@@ -58,6 +58,16 @@ impl BlockMap {
             })
             .collect();
         regions.sort_by_key(|r| r.base);
+        // aliases of one tensor (same base and stride): one entry, every alias's groups
+        regions.dedup_by(|later, first| {
+            let same = later.base == first.base;
+            if same {
+                first.groups.append(&mut later.groups);
+                first.groups.sort_unstable();
+                first.groups.dedup();
+            }
+            same
+        });
         BlockMap {
             regions,
             groups: local.groups.len(),

@@ -7,9 +7,11 @@
 //! rank's channel / dim-0 share of a larger remote state, or the whole smaller remote share.
 
 use super::error::{exact_div, mismatch, PlanError};
+use crate::core::alias::alias_roots;
 use crate::core::descs::{DescTable, StridedRow};
+use crate::core::kv_layout::PageOrder;
 use crate::core::meta::AgentMeta;
-use crate::core::region::{hosts_attention, RegionTable};
+use crate::core::region::{hosts_attention, GroupKind, RegionTable};
 use crate::core::tp::TpMapping;
 use crate::core::units::BlockUnits;
 
@@ -130,10 +132,20 @@ pub fn remote_table(
                     rr.block_len,
                 ));
             }
-            if lr.is_mla {
+            // Token-major pages: a unit is a token range of every head; under a head split a unit is one token
+            // (`BlockUnits::for_pages`), a heads-major page of one token, and is sliced by heads below.
+            let token_major = local.page_order == PageOrder::TokenMajor;
+            if token_major && hl != hr && units.unit_tokens != 1 {
+                return Err(PlanError::NotSupported(format!(
+                    "attention region {} has token-major (NHD) pages with {hl} (local) / {hr} (remote) heads per rank; \
+                     their head split must be planned per token",
+                    lr.name
+                )));
+            }
+            if lr.is_mla || (token_major && hl == hr) {
                 (0, l_unit)
             } else {
-                if !units.is_identity() && (hl > 1 || hr > 1) {
+                if !token_major && !units.is_identity() && (hl > 1 || hr > 1) {
                     return Err(PlanError::NotSupported(format!(
                         "attention region {} is heads-major with {hl} (local) / {hr} (remote) heads per rank; cutting kernel blocks of local {} / remote {} tokens into common units would need a per-head layout conversion",
                         lr.name, local.geometry.kernel_block_size, remote.kernel_block_size
@@ -219,6 +231,25 @@ fn check_regions(local: &RegionTable, remote: &AgentMeta) -> Result<(), PlanErro
     let ls: Vec<u32> = local.ssm_regions.iter().map(|&i| i as u32).collect();
     if ls != remote.ssm_regions {
         return Err(mismatch("SSM regions", ls, &remote.ssm_regions));
+    }
+    let roots = |bases: Vec<u64>| alias_roots(&bases);
+    let (la, ra) = (
+        roots(local.regions.iter().map(|r| r.base).collect()),
+        roots(remote.regions.iter().map(|r| r.base).collect()),
+    );
+    if la != ra {
+        return Err(mismatch(
+            "regions aliasing one tensor (first region of each base)",
+            la,
+            ra,
+        ));
+    }
+    if local.groups.contains(&GroupKind::Attention) && remote.page_order() != Some(local.page_order) {
+        return Err(mismatch(
+            "attention page order (kv_layout)",
+            local.page_order.name(),
+            &remote.kv_layout,
+        ));
     }
     if local.use_mla != remote.use_mla || local.total_num_kv_heads != remote.total_num_kv_heads {
         return Err(mismatch(

@@ -58,6 +58,7 @@ fn f7_remote(rank: u32) -> RankLayout {
         num_logical_blocks: 12,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 
@@ -258,6 +259,7 @@ fn mla_ssm(
         num_logical_blocks: num_logical,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     }
 }
 
@@ -333,6 +335,7 @@ fn one_region_fa(rank_blocks: u64) -> RankLayout {
             spec,
             memory,
         }],
+        kv_layout: None,
     }
 }
 
@@ -400,6 +403,7 @@ fn f8_region_group_mapping_and_capacity() {
         num_logical_blocks: 10,
         total_num_kv_heads: 1,
         layers,
+        kv_layout: None,
     };
     let three = layout(vec![
         fa("a", 0, 0x1000, 10),

@@ -130,6 +130,10 @@ pub struct Engine {
     pub kernel_block_size: u64,
     /// Logical blocks in the pool.
     pub num_blocks: u64,
+    /// The engine's KV-cache layout name (`HND`, `NHD`, vLLM's `LBHNC`...): the order of (head, token) cells
+    /// in its attention pages (heads-major when absent). Both engines' pages must order cells alike.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_layout: Option<String>,
 }
 
 /// One request: each engine's logical block ids per group.
@@ -402,6 +406,7 @@ fn rank_layout(
                 device: rank,
                 mem_type: MemType::Vram,
                 num_blocks: None,
+                page_layout: None,
             };
             layers.push(LayerInput {
                 name: l.name.clone(),
@@ -424,6 +429,7 @@ fn rank_layout(
         num_logical_blocks: engine.num_blocks,
         total_num_kv_heads: heads.first().copied().unwrap_or(1),
         layers,
+        kv_layout: engine.kv_layout.clone(),
     })
 }
 
@@ -441,7 +447,7 @@ fn build_engine(
     let info = EngineInfo {
         engine_id: side.into(),
         transfer_mode: s.mode,
-        kv_layout: "HND".into(),
+        kv_layout: engine.kv_layout.clone().unwrap_or_default(),
         ..EngineInfo::default()
     };
     let mut out = Vec::with_capacity(engine.tp_size as usize);

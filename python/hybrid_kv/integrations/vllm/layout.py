@@ -235,7 +235,8 @@ def rank_table(
             spec = layer_spec(unwrap(g.kv_cache_spec, name))
             if isinstance(view, (list, tuple)):
                 raise LayoutError(f"layer {name}: per-state tensor lists are not supported; expected one view")
-            mem = tensor_memory(view, name)
+            # vLLM's views are [B, H, N, C] whatever the layout; their strides say the page's cell order
+            mem = tensor_memory(view, name, spec, int(view.shape[2]) if view.dim() == 4 else None, "BHNC")
             # a padded page (SSM state shorter than the unified page) ends the view before its last page does;
             # the page's padding is part of the allocation, so the region spans whole pages
             storage = view.untyped_storage()
