@@ -200,15 +200,15 @@ def test_peer_that_never_answers_the_handshake(decode: DecodeRank) -> None:
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match=r"peer 'B' .* no reply (from \S+ )?within 0.5 s"):
             d.connect("B", b.address, 0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 30.0  # its own timeout, not a hang
         # a request waiting on such a handshake fails with it; the others go on
         before = d.rank.snapshot()
         t0 = time.monotonic()
         d.begin_connect("B", b.address, 1.0)
-        d.pull("B", reqs[1], 5.0, plan=d.plans["A"])  # same geometry as A: A's plan gives the same ids
-        d.pull("A", reqs[0], 5.0)
-        ev = pump(d.ep, lambda e: len(e.done) + len(e.failed) == 2, 3.0)
-        assert time.monotonic() - t0 < 1.5
+        d.pull("B", reqs[1], 120.0, plan=d.plans["A"])  # same geometry as A: A's plan gives the same ids
+        d.pull("A", reqs[0], 120.0)
+        ev = pump(d.ep, lambda e: len(e.done) + len(e.failed) == 2, 60.0)
+        assert time.monotonic() - t0 < 60.0  # failed with its handshake (1 s), not at its deadline (120 s)
         assert ev.done == [reqs[0].rid]
         (err,) = ev.failed
         assert err.request_id == reqs[1].rid and re.search(r"handshake .* no reply (from \S+ )?within 1 s", str(err))

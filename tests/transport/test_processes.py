@@ -115,10 +115,10 @@ def test_killed_peer_fails_only_its_requests(decode: tuple[Endpoint, np.ndarray]
         a.kill()
         before = dst.copy()
         t0 = time.monotonic()
-        d.post("to-dead", [(0, "whole", "whole", ids(4, 5), ids(1, 2))], "READ", deadline_s=3.0)
-        d.post("to-live", [(1, "whole", "whole", ids(6), ids(3))], "READ", deadline_s=3.0)
-        ev = pump(d, lambda e: len(e.done) + len(e.failed) == 2, 5.0)
-        assert time.monotonic() - t0 < 3.5
+        d.post("to-dead", [(0, "whole", "whole", ids(4, 5), ids(1, 2))], "READ", deadline_s=120.0)
+        d.post("to-live", [(1, "whole", "whole", ids(6), ids(3))], "READ", deadline_s=120.0)
+        ev = pump(d, lambda e: len(e.done) + len(e.failed) == 2, 60.0)
+        assert time.monotonic() - t0 < 60.0  # the dead peer failed it, not its 120 s deadline
         assert ev.done == ["to-live"]
         (err,) = ev.failed
         assert err.request_id == "to-dead" and err.failed[0].local_ids.tolist() == [4, 5]
@@ -137,14 +137,13 @@ def test_hung_then_killed_peer_mid_transfer(decode: tuple[Endpoint, np.ndarray])
         d.connect(1, b.address, tables_from_payload, timeout_s=5.0)
         _warm_up(d, [0, 1])
         a.signal(signal.SIGSTOP)  # alive but never progresses: its READ stays in flight
-        t0 = time.monotonic()
-        h = d.post("stuck", [(0, "whole", "whole", ids(2), ids(2))], "READ", deadline_s=2.0)
-        d.post("fine", [(1, "whole", "whole", ids(3), ids(3))], "READ", deadline_s=2.0)
-        ev = pump(d, lambda e: e.done, 2.0)
+        h = d.post("stuck", [(0, "whole", "whole", ids(2), ids(2))], "READ", deadline_s=120.0)
+        d.post("fine", [(1, "whole", "whole", ids(3), ids(3))], "READ", deadline_s=120.0)
+        ev = pump(d, lambda e: e.done, 30.0)
         assert ev.done == ["fine"] and h.state is RequestState.POSTED
         a.kill()  # dies while the READ is in flight
-        ev = pump(d, lambda e: e.failed, 3.0)
-        assert ev.failed[0].request_id == "stuck" and time.monotonic() - t0 < 2.5
+        ev = pump(d, lambda e: e.failed, 30.0)
+        assert ev.failed[0].request_id == "stuck"
         assert d.handle_counts()["xfer"] == 0
 
 
@@ -170,5 +169,5 @@ def test_stopped_peer_never_answers_handshake(decode: tuple[Endpoint, np.ndarray
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match="no reply"):
             d.connect(0, a.address, tables_from_payload, timeout_s=0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 30.0  # its own timeout, not a hang
         a.signal(signal.SIGCONT)

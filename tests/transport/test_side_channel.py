@@ -84,7 +84,7 @@ def test_silent_peer_times_out(ctx: zmq.Context) -> None:  # type: ignore[type-a
         t0 = time.monotonic()
         with pytest.raises(ChannelError, match="no reply"):
             fetch_named_meta(ctx, f"tcp://127.0.0.1:{port}", 0, "D", 0.3, key=KEY)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 30.0  # its own timeout, not a hang
     finally:
         mute.close(linger=0)
 
@@ -124,8 +124,18 @@ def request(kind: bytes, arg: bytes, sender: bytes = b"D") -> list[bytes]:
     return [PROTOCOL, kind, secrets.token_bytes(REQUEST_ID_BYTES), b"", sender, arg]
 
 
-def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "hybrid_kv.transport" and "refused" in r.getMessage()]
+def refusals(caplog: pytest.LogCaptureFixture, wait_s: float = 30.0) -> list[str]:
+    """The server's refusal log lines, once there is one (the server thread logs asynchronously: bounded wait)."""
+
+    def found() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records if r.name == "hybrid_kv.transport" and "refused" in r.getMessage()
+        ]
+
+    end = time.monotonic() + wait_s
+    while not found() and time.monotonic() < end:
+        time.sleep(0.05)
+    return found()
 
 
 def test_protocol_mismatch_is_reported(
@@ -149,13 +159,11 @@ def test_clients_without_the_secret_never_get_past_the_handshake(
     once why, and the server logs the refusal once."""
     server, owner = served
     key = None if client == "no_secret" else OTHER_KEY
-    for _ in range(3):
-        t0 = time.monotonic()
+    for _ in range(3):  # told why, not left to their 60 s timeouts
         with pytest.raises(ChannelError, match=f"peer at {server.address} failed authentication"):
-            send_control(ctx, server.address, b"write into me", "D", 5.0, key=key)
+            send_control(ctx, server.address, b"write into me", "D", 60.0, key=key)
         with pytest.raises(ChannelError, match=f"peer at {server.address} failed authentication"):
-            fetch_named_meta(ctx, server.address, 0, "D", 5.0, key=key)
-        assert time.monotonic() - t0 < 2.0
+            fetch_named_meta(ctx, server.address, 0, "D", 60.0, key=key)
     assert owner.meta_calls == [] and owner.controls == []
     logged = refusals(caplog)
     assert len(logged) == 1 and "refused a connection" in logged[0], caplog.text
@@ -179,7 +187,7 @@ def test_a_client_key_outside_the_deployment_is_refused_by_the_zap_handler(
     try:
         sock.connect(server.address)
         sock.send_multipart(request(b"ctrl", b"let me in"))
-        assert monitor.poll(2000), "the handshake of a foreign client key did not fail"
+        assert monitor.poll(30000), "the handshake of a foreign client key did not fail"
         assert not sock.poll(300)
     finally:
         sock.disable_monitor()
@@ -199,10 +207,10 @@ def test_client_rejects_a_server_without_the_secret(ctx: zmq.Context) -> None:  
         try:
             t0 = time.monotonic()
             with pytest.raises(ChannelError, match=f"peer at {forged.address} failed authentication"):
-                fetch_named_meta(ctx, forged.address, 0, "D", 5.0, key=KEY)
+                fetch_named_meta(ctx, forged.address, 0, "D", 120.0, key=KEY)
             with pytest.raises(ChannelError, match="failed authentication"):
-                send_control(ctx, forged.address, b"x", "D", 5.0, key=KEY)
-            assert time.monotonic() - t0 < 2.0
+                send_control(ctx, forged.address, b"x", "D", 120.0, key=KEY)
+            assert time.monotonic() - t0 < 60.0  # told at once why, not left to the 120 s timeouts
         finally:
             forged.close()
     assert owner.meta_calls == [] and owner.controls == []

@@ -186,7 +186,7 @@ def test_a_client_without_the_secret_fails_fast(monkeypatch: pytest.MonkeyPatch)
         with Endpoint("T", registration(loot.ctypes.data), tables(loot.ctypes.data), listen=None, insecure=True) as t:
             t0 = time.monotonic()
             with pytest.raises(HandshakeError, match=f"peer at {p.address} failed authentication"):
-                t.connect(0, p.address, tables_from_payload, timeout_s=5.0)
-            assert time.monotonic() - t0 < 2.0
+                t.connect(0, p.address, tables_from_payload, timeout_s=120.0)
+            assert time.monotonic() - t0 < 60.0  # told at once why, not left to the 120 s timeout
             assert t.handle_counts()["remote_agents"] == 0
         assert not p.poll().control
