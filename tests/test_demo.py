@@ -143,14 +143,19 @@ def test_the_readme_command_runs_to_a_verified_success(capsys: pytest.CaptureFix
     # the phases of the transfer each on its line with its own throughput (the default verifies every request);
     # rich wraps long lines, so they are read with their whitespace collapsed
     flat = " ".join(out.split())
-    transfer = r" transfer [\d.]+ (ms|µs) in the slowest rank: [\d.]+ GB/s \(verification excluded; [\d.]+ (ms|µs) with"
+    claims = r" lease claims [\d.]+ (ms|µs) in the slowest decode rank: one message per prefill rank"
+    assert re.search(claims, flat), out
+    transfer = r" transfer [\d.]+ (ms|µs) in the slowest rank: [\d.]+ GB/s \([\d.]+ (ms|µs) with the claims and digests"
     assert re.search(transfer, flat), out
     posted = re.search(r" descriptors posted (\d+) by NIXL", flat)
     assert posted, out
     floor = rf" NIXL floor [\d.]+ (ms|µs): [\d.]+ GB/s, the same {posted[1]} descriptors posted with bare NIXL calls"
     assert re.search(floor, flat), out
     assert re.search(r" memcpy one contiguous memcpy of the same bytes: [\d.]+ GB/s", flat), out
-    digests = r" verify=all: 16 requests checked on the decode ranks, no mismatch .* 14\.3 MiB in [\d.]+ (ms|µs) .*GB/s"
+    digests = (
+        r" verify=all: 16 requests checked on the decode ranks, no mismatch .* 14\.3 MiB digested in [\d.]+ (ms|µs) "
+        r"by the slowest decode rank \([\d.]+ GB/s\) and [\d.]+ (ms|µs) by the slowest prefill rank"
+    )
     assert re.search(digests, flat), out
 
 

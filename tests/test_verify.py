@@ -282,3 +282,19 @@ def test_claim_messages_are_typed_and_bounded() -> None:
         with pytest.raises(ClaimError, match="not a claim message"):
             decode_claim_message(payload)
     assert mismatch_reason(1, 0, 4096, 3) == "digest mismatch: 4096 bytes in 3 moves of rank pair (1, 0)"
+
+
+def test_the_xxh3_digest_is_segments_of_the_stream() -> None:
+    """``RegionTable.digest`` against an independent XXH3-64 (the ``xxhash`` package): 256 KiB segments of the moves'
+    concatenated bytes, then the stream's length and the segment digests, little-endian."""
+    import struct
+
+    xxhash = pytest.importorskip("xxhash")
+    r = Rank("tiny-kimi-linear", "prefill", "pull", 1, 0, 2048)
+    (a, na), (b, nb) = [(int(t.data_ptr()), t.numel() * t.element_size()) for t in r.tensors[:2]]
+    assert na > 3_000_000 and nb > 1_000_000
+    moves = np.array([[a + 100, 0, 700_000], [b, 0, nb // 2], [a + 900_000, 0, 1_300_001]], np.uint64)
+    stream = b"".join(ctypes.string_at(int(m[0]), int(m[2])) for m in moves)
+    segs = [xxhash.xxh3_64_intdigest(stream[i : i + (1 << 18)]) for i in range(0, len(stream), 1 << 18)]
+    want = xxhash.xxh3_64_intdigest(struct.pack(f"<{1 + len(segs)}Q", len(stream), *segs))
+    assert r.table.digest(moves, "local") == want

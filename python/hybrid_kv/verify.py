@@ -9,8 +9,8 @@ plan from the two handshake payloads (``hybrid_kv.MirrorPlan``), so nothing layo
 What is digested: the concatenation, in move order, of one rank pair's bytes (all its transfers' moves, in
 plan order). How moves are cut does not change a digest; their order does. Two algorithms:
 
-- ``xxh3``: XXH3-64 of the byte stream, in Rust with the GIL released (``RegionTable.digest``), for host
-  memory on both sides.
+- ``xxh3``: XXH3-64 of the byte stream's 256 KiB segments, on a pool of threads, combined by XXH3-64 (in Rust with
+  the GIL released, ``RegionTable.digest``), for host memory on both sides.
 - ``wsum``: two position-weighted sums modulo ``2**31 - 1`` (byte ``b`` at stream offset ``k`` adds
   ``b * w`` and ``b * w**2`` with ``w = k mod p + 1``), computed with torch by gathering the ranges where the
   memory is (``wsum_digest``), so device memory is digested on its device. A flipped byte always changes it

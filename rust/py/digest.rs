@@ -50,19 +50,56 @@ fn check_inside(table: &RegionTable, ranges: impl Iterator<Item = (usize, u64, u
     Ok(())
 }
 
-/// XXH3-64 (seed 0) of the concatenation of `ranges` in order: how the moves are cut does not change it.
+/// Bytes of one segment of the concatenated stream: segments are hashed on their own (on rayon's pool of
+/// threads), so a digest costs the memory's bandwidth on every core rather than one core's hashing speed.
+const SEGMENT: u64 = 1 << 18;
+
+/// XXH3-64 of each `SEGMENT` of the concatenation of `ranges` in order, then XXH3-64 of the stream's length and
+/// those digests (little-endian): how the moves are cut does not change it, their order does.
 fn xxh3_ranges(ranges: &[(u64, u64)]) -> u64 {
+    use rayon::prelude::*;
+
+    let mut starts = Vec::with_capacity(ranges.len());
+    let mut total = 0u64;
+    for &(_, len) in ranges {
+        starts.push(total);
+        total += len; // every range lies inside a region (checked): the sum of their lengths cannot wrap
+    }
+    let segments = total.div_ceil(SEGMENT);
+    let one = |seg: u64| segment_digest(ranges, &starts, seg * SEGMENT, ((seg + 1) * SEGMENT).min(total));
+    let digests: Vec<u64> = if segments > 1 {
+        (0..segments).into_par_iter().map(one).collect()
+    } else {
+        (0..segments).map(one).collect()
+    };
     let mut h = Xxh3::new();
-    for &(addr, len) in ranges {
-        if len == 0 {
-            continue;
+    h.update(&total.to_le_bytes());
+    for d in &digests {
+        h.update(&d.to_le_bytes());
+    }
+    h.digest()
+}
+
+/// XXH3-64 of the stream's bytes `[from, to)` (`starts`: each range's offset in the stream).
+fn segment_digest(ranges: &[(u64, u64)], starts: &[u64], from: u64, to: u64) -> u64 {
+    let mut h = Xxh3::new();
+    let mut i = starts.partition_point(|&s| s <= from).saturating_sub(1);
+    let mut at = from;
+    while at < to && i < ranges.len() {
+        let (addr, len) = ranges[i];
+        let begin = at - starts[i];
+        let end = (to - starts[i]).min(len);
+        if begin < end {
+            // SAFETY: every range was checked to lie inside a region of the table, which its caller registered:
+            // host memory of this process that stays allocated while the table is used (the contract of
+            // `RegionTable.digest`, as for a NIXL registration); `begin..end` is inside the range. The bytes are
+            // only read; a concurrent writer (a fault the digest exists to catch) can only change the result.
+            let bytes =
+                unsafe { std::slice::from_raw_parts((addr + begin) as usize as *const u8, (end - begin) as usize) };
+            h.update(bytes);
+            at = starts[i] + end;
         }
-        // SAFETY: every range was checked to lie inside a region of the table, which its caller registered:
-        // host memory of this process that stays allocated while the table is used (the contract of
-        // `RegionTable.digest`, as for a NIXL registration). The bytes are only read; a concurrent writer (a
-        // fault the digest exists to catch) can only change the result.
-        let bytes = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) };
-        h.update(bytes);
+        i += 1;
     }
     h.digest()
 }

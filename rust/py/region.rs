@@ -192,7 +192,8 @@ impl PyRegionTable {
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// XXH3-64 digest of this rank's side of byte moves: the concatenation, in move order, of the bytes at
+    /// Digest of this rank's side of byte moves (XXH3-64 of each 256 KiB segment, on a pool of threads, then XXH3-64 of
+    /// the length and those digests): the concatenation, in move order, of the bytes at
     /// `moves[:, 0]` (`side="local"`) or `moves[:, 1]` (`"remote"`), each `moves[:, 2]` long. How the moves are
     /// cut does not change it; their order does.
     ///

@@ -186,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("local tables", tables)
     t.add_row("connect", f"{_ms(result.handshake_s)} NIXL connections in the slowest rank")
     t.add_row("planning", f"{_ms(result.plan_setup_s)} tables once + {_ms(result.plan_s)} for all requests (ranks)")
+    if cfg.mode == "pull":
+        t.add_row("lease claims", _claim_line(result))
     t.add_row("transfer", _transfer_line(result))
     t.add_row("NIXL floor", _floor_line(result))
     t.add_row("memcpy", f"one contiguous memcpy of the same bytes: {result.memcpy_gbps:.2f} GB/s")
@@ -216,11 +218,20 @@ def _gbps(nbytes: int, secs: float) -> str:
     return f"{nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else "-"
 
 
+def _claim_line(result: Any) -> str:
+    """Pull: the claim round trip before the READs (every lease confirmed, the prefill's digests inside)."""
+    inside = f", {_ms(result.peer_digest_s)} of it the prefill's digests" if result.verify != "off" else ""
+    return (
+        f"{_ms(result.claim_s)} in the slowest decode rank: one message per prefill rank confirming every request's "
+        f"blocks before the READ{inside}"
+    )
+
+
 def _transfer_line(result: Any) -> str:
-    """The transfer alone: the slowest posting rank's time with the verification it ran on the way taken out."""
+    """The transfer alone: the slowest posting rank's time from posting to done, its claims and digests taken out."""
     line = f"{_ms(result.transfer_s)} in the slowest rank: {_gbps(result.bytes_moved, result.transfer_s)}"
-    if result.verify != "off":
-        line += f" (verification excluded; {_ms(result.transfer_total_s)} with it)"
+    if result.transfer_total_s > result.transfer_s:
+        line += f" ({_ms(result.transfer_total_s)} with the claims and digests)"
     return line
 
 
@@ -245,13 +256,14 @@ def _digest_line(result: Any, mode: str) -> str:
         if mode == "pull"
         else "each prefill rank digested before its WRITEs, each decode rank once they landed"
     )
-    asked = f", {_ms(result.digest_ask_s)} of it waiting for the prefill ranks' digests" if mode == "pull" else ""
-    share = f"; +{result.digest_s / result.transfer_s:.0%} of the transfer" if result.transfer_s > 0 else ""
+    cost = result.digest_s + result.peer_digest_s
+    share = f"; +{cost / result.transfer_s:.0%} of the transfer" if result.transfer_s > 0 else ""
     mismatches = "no mismatch" if not result.digest_mismatches else f"{len(result.digest_mismatches)} mismatched"
     return (
         f"verify={result.verify}: {count(result.digested_requests, 'request')} checked on the decode ranks, "
-        f"{mismatches} ({how}); {_size(result.verified_bytes)} in {_ms(result.digest_s)} in the slowest decode "
-        f"rank: {_gbps(result.verified_bytes, result.digest_s)}{asked}{share}"
+        f"{mismatches} ({how}); {_size(result.verified_bytes)} digested in {_ms(result.digest_s)} by the slowest "
+        f"decode rank ({_gbps(result.verified_bytes, result.digest_s)}) and {_ms(result.peer_digest_s)} by the "
+        f"slowest prefill rank, no round trip of its own{share}"
     )
 
 

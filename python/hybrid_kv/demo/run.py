@@ -139,9 +139,12 @@ class DemoResult:
     digested_requests: int = 0
     """Requests whose digests were compared on the decode ranks (each decode rank's count, summed)."""
     digest_s: float = 0.0
-    """Time the slowest checking rank spent verifying (pull: digesting and waiting for the prefill's answers)."""
-    digest_ask_s: float = 0.0
-    """Of ``digest_s`` (pull), the slowest decode rank's wait for the prefill ranks' digests (round trips)."""
+    """Time the slowest decode rank spent digesting (what landed, or what it wrote into in push)."""
+    peer_digest_s: float = 0.0
+    """Time the slowest prefill rank spent digesting (pull: inside its claim answers; push: before its WRITEs)."""
+    claim_s: float = 0.0
+    """Pull: the slowest decode rank's claim round trip before its READs (one message per prefill rank for the
+    batch, as the connector claims every lease; the prefill's digests of verified requests are taken inside it)."""
     verified_bytes: int = 0
     """Bytes of the requests verified end to end (what the checking ranks digested)."""
     digest_mismatches: list[str] = field(default_factory=list)
@@ -377,12 +380,16 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
                 senders = {r.rid: sum(d in t[0][r.rid] for t in targets.values()) for r in requests}
                 ranks.send([("decode", d)], "expect", senders, payloads)
         moved = ranks.collect("transferred", ranks.keys(active))
+        if cfg.mode == "pull":  # the prefill ranks answered every claim: their digest time is known now
+            ranks.send(ranks.keys("prefill"), "report")
         for (role, rank), (count, secs, mismatches, ask_s) in sorted(ranks.collect("digests", ranks.keys()).items()):
             if role == "decode":  # the checking side in both modes
                 result.digested_requests += count
                 result.digest_s = max(result.digest_s, secs)
-                result.digest_ask_s = max(result.digest_ask_s, ask_s)
+                result.claim_s = max(result.claim_s, ask_s)
                 result.digest_mismatches += [f"decode rank {rank}: {m}" for m in mismatches]
+            else:
+                result.peer_digest_s = max(result.peer_digest_s, secs)
         for plan_s, transfer_s, ids, posted, nbytes, _n, xfers, total_s, vbytes in moved.values():
             result.plan_s += plan_s
             result.transfer_s = max(result.transfer_s, transfer_s)

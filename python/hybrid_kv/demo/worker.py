@@ -95,8 +95,8 @@ class _Worker:
         self.planner: Any = None
         self.link: Any = None
         self.requests: list[Request] = []
-        self.digest_s = 0.0  # this rank's time computing digests and waiting for its peers' (active ranks)
-        self.ask_s = 0.0  # of which waiting for the prefill ranks' digests (pull: the decode asks before its READ)
+        self.digest_s = 0.0  # this rank's time computing digests (decode: of what landed; prefill: in claim answers)
+        self.ask_s = 0.0  # pull, decode: the claim round trip before the READ (the prefill's digests inside it)
         self.plans: list[Any] = []  # each request's transfers (active ranks), posted again for the NIXL floor
         self.digested = 0  # requests this rank verified (active ranks) or answered digests for (passive)
         self.mismatches: list[str] = []  # this rank's requests failed by a digest mismatch (only they may fail)
@@ -227,6 +227,8 @@ class _Worker:
         elif spec.role == "decode":  # push: await the prefill ranks' writes
             senders, payloads = self.wait("expect")
             self._await_pushes(senders, payloads)
+        else:  # pull: answer the decode ranks' claims until their reads ended (``wait`` answers meanwhile)
+            self.wait("report")
         self.send("digests", self.digested, self.digest_s, self.mismatches, self.ask_s)
         (corrupt,) = self.wait("verify")
         if corrupt is not None and spec.rank == 0:
@@ -270,9 +272,9 @@ class _Worker:
                 self.send("request_done", r.rid)
         self._wait_done(pending)
         total_s = time.perf_counter() - t0
-        # one thread posts, waits and verifies: its time outside verification (asking the peers for their
-        # digests, digesting) is the transfer's own
-        transfer_s = max(0.0, total_s - self.digest_s)
+        # one thread claims, posts, waits and verifies: its time outside the claim round trip and its own digests
+        # is the transfer's own
+        transfer_s = max(0.0, total_s - self.digest_s - self.ask_s)
         posted = sum(h.stats.descriptors for h in handles)  # NIXL's telemetry: after it merged the ids
         xfers = sum(len(p) for p in plans)
         vbytes = sum(
@@ -328,35 +330,41 @@ class _Worker:
     # ------------------------------------------------------------------ verification (hybrid_kv.verify)
 
     def _verification(self, plans: list[list[Any]]) -> dict[str, tuple[dict[Any, int] | None, Any]]:
-        """Per verified request: push: this rank's digest per peer (carried by its done-notices); pull: the
-        check comparing this rank's digest of what landed with each prefill rank's, asked for (and answered)
-        before the READ is posted, so a block the prefill re-writes after its digest fails the request."""
+        """Per verified request: push: this rank's digest per peer (carried by its done-notices); pull: the check
+        comparing this rank's digest of what landed with each prefill rank's. In pull every request is first
+        claimed from its prefill ranks, verified or not (as the connector does before any READ); a verified one's
+        claim answer carries the prefill rank's digest, taken before the READ, so a block the prefill re-writes
+        after its digest fails the request."""
         policy = VerifyPolicy.parse(self.spec.verify)
-        chosen = [(r, p) for r, p in zip(self.requests, plans, strict=True) if p and policy.selects(r.index)]
-        if not chosen:
-            return {}
-        t0 = time.perf_counter()
-        plan, rank_of = self.planner.plan_, self.link.rank_of
+        moving = [(r, p) for r, p in zip(self.requests, plans, strict=True) if p]
+        chosen = {r.rid for r, _ in moving if policy.selects(r.index)}
         out: dict[str, tuple[dict[Any, int] | None, Any]] = {}
         if self.spec.mode == "push":
-            for r, p in chosen:
-                mine = initiator_digests(self.digester, plan, p, rank_of, "xxh3")
-                out[r.rid] = ({k: d.digest for k, d in mine.items()}, None)
-        else:
-            t_ask = time.perf_counter()
-            answers = self._ask_digests([r for r, _ in chosen])
-            self.ask_s += time.perf_counter() - t_ask
-            for r, p in chosen:
-                out[r.rid] = (None, self._pull_check(r.rid, p, answers[r.rid]))
-        self.digest_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            plan, rank_of = self.planner.plan_, self.link.rank_of
+            for r, p in moving:
+                if r.rid in chosen:
+                    mine = initiator_digests(self.digester, plan, p, rank_of, "xxh3")
+                    out[r.rid] = ({k: d.digest for k, d in mine.items()}, None)
+            self.digest_s += time.perf_counter() - t0
+        elif moving:
+            t0 = time.perf_counter()
+            answers = self._claim([r for r, _ in moving], chosen)
+            self.ask_s += time.perf_counter() - t0
+            for r, p in moving:
+                if r.rid in chosen:
+                    out[r.rid] = (None, self._pull_check(r.rid, p, answers[r.rid]))
         self.digested += len(chosen)
         return out
 
-    def _ask_digests(self, requests: list[Request]) -> dict[str, dict[int, tuple[int | None, str]]]:
-        """Claim every request from each prefill rank this rank reads from, with its digest (``hybrid_kv.claims``:
-        one message per prefill rank for the whole batch); wait for the answers."""
+    def _claim(self, requests: list[Request], verified: set[str]) -> dict[str, dict[int, tuple[int | None, str]]]:
+        """Claim every request from each prefill rank this rank reads from, with its digest when it is verified
+        (``hybrid_kv.claims``: one message per prefill rank for the whole batch); wait for the answers."""
         targets = {t: (self.link.addresses[t], f"prefill-{t}") for t in self.link.targets}
-        entries = [ClaimEntry(r.rid, b"", r.rid, r.decode_ids, True) for r in requests]
+        entries = [
+            ClaimEntry(r.rid, b"", r.rid, r.decode_ids if r.rid in verified else [], r.rid in verified)
+            for r in requests
+        ]
         return claim_digests(self.ep, targets, entries, "decode", self.payload, "xxh3", self.spec.deadline_s)
 
     def _corrupt_landed(self, rid: str) -> None:
@@ -419,7 +427,11 @@ class _Worker:
             r = by_rid.get(entry.req)
             return (r.prefill_ids, 0.0) if r is not None else f"no request {entry.req!r} here"
 
-        self.digested += serve_claims(self.ep, controls, lookup, self.mirrors, self.digester)
+        t0 = time.perf_counter()
+        answered = serve_claims(self.ep, controls, lookup, self.mirrors, self.digester)
+        if answered and self.spec.verify != "off":  # the digests dominate answering a verified claim
+            self.digest_s += time.perf_counter() - t0
+            self.digested += answered
 
     def _corrupt(self, where: str) -> None:
         """Fault injection (tests): flip one byte that verification must catch."""
