@@ -92,8 +92,9 @@ class RegionTable:
     def digest(self, moves: npt.NDArray[np.uint64], side: str = "local") -> int:
         """Digest of this table's side (``"local"``: column 0, ``"remote"``: column 1) of ``(M, 3)`` moves, their
         bytes concatenated in move order (XXH3-64 of each 256 KiB segment, hashed on several threads, then XXH3-64
-        of the stream's length and the segment digests, little-endian u64s); reads the memory (this process's live host memory only). Raises
-        ``ValueError`` for a range outside the regions, a bad shape or side, or regions that are not host memory."""
+        of the stream's length and the segment digests, little-endian u64s); reads the memory (this process's live
+        host memory only). Raises ``ValueError`` for a range outside the regions, a bad shape or side, or regions
+        that are not host memory."""
 
     def handshake_payload(self, engine_info: EngineInfo | Mapping[str, Any]) -> bytes:
         """This rank's handshake payload (metadata as wire bytes) with the engine facts ``engine_info``
