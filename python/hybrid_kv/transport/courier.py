@@ -57,6 +57,8 @@ MAX_DESTINATIONS = 1024
 """Destinations with messages queued or in flight at once; a message to one more is refused at once."""
 MAX_QUEUED = 65536
 """Messages queued in all (new ones past it are refused at once)."""
+MAX_QUEUED_BYTES = 256 << 20
+"""Bytes of the messages queued in all (new ones past it are refused at once)."""
 MAX_ATTEMPTS = 5
 """Most attempts per message."""
 IDLE_CLOSE_S = 10.0
@@ -110,6 +112,7 @@ class Courier:
         self._done: collections.deque[Delivery] = collections.deque()
         self._dests: dict[tuple[str, str], _Destination] = {}
         self._queued = 0  # letters accepted and not yet delivered or lost (any thread reads it)
+        self._queued_bytes = 0
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -152,10 +155,11 @@ class Courier:
         if self._stop.is_set():
             self._done.append(Delivery(tag, False, to, address, "courier closed"))
             return
-        if self._queued >= MAX_QUEUED:
-            self._done.append(Delivery(tag, False, to, address, f"{MAX_QUEUED} control messages already queued"))
+        if self._queued >= MAX_QUEUED or self._queued_bytes + len(payload) > MAX_QUEUED_BYTES:
+            why = f"{self._queued} control messages ({self._queued_bytes} bytes) already queued"
+            self._done.append(Delivery(tag, False, to, address, f"{why}; at most {MAX_QUEUED}, {MAX_QUEUED_BYTES} B"))
             return
-        self._count(1)
+        self._count(1, len(payload))
         self._incoming.append((address, to, letter))
         self._wake()
 
@@ -336,7 +340,7 @@ class Courier:
             except ChannelError as exc:
                 self._lost(dest.address, dest.to, letter, str(exc))
                 continue
-            self._count(-1)
+            self._count(-1, -len(letter.payload))
             if letter.tag is not None:
                 self._done.append(Delivery(letter.tag, True, dest.to, dest.address))
 
@@ -351,10 +355,11 @@ class Courier:
             self._lost(dest.address, dest.to, letter, reason)
         dest.flying, dest.queue = {}, collections.deque()
 
-    def _count(self, n: int) -> None:
+    def _count(self, n: int, nbytes: int) -> None:
         with self._count_lock:
             self._queued += n
+            self._queued_bytes += nbytes
 
     def _lost(self, address: str, to: str, letter: _Letter, reason: str) -> None:
-        self._count(-1)
+        self._count(-1, -len(letter.payload))
         self._done.append(Delivery(letter.tag, False, to, address, f"control message to {address} failed: {reason}"))
