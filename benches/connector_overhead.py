@@ -84,6 +84,7 @@ def measure(model_dir: str, p_tp: int, d_tp: int, requests: int) -> dict[str, An
         xfer = [t for s in d.stats for t in s["xfer_time_s"]]
         nbytes = [b for s in d.stats for b in s["bytes"]]
         desc = [n for s in d.stats for n in s["descriptors"]]
+        claims = [t for s in d.stats for t in s.get("claim_time_s", [])]
         assert len(xfer) == requests * d_tp, (len(xfer), requests, d_tp)
         mean_xfer = statistics.fmean(xfer)
         return {
@@ -101,6 +102,8 @@ def measure(model_dir: str, p_tp: int, d_tp: int, requests: int) -> dict[str, An
             "nixl_post_us": nixl_post / requests * 1e6,
             "rest_us": (worker - sum(parts.values())) / requests * 1e6,
             "ratio_steps": (sched + steps) / requests / mean_xfer,
+            "claim_median_us": statistics.median(claims) * 1e6 if claims else 0.0,
+            "claim_p90_us": sorted(claims)[int(0.9 * (len(claims) - 1))] * 1e6 if claims else 0.0,
         }
     finally:
         p.close()
@@ -128,13 +131,14 @@ def main() -> None:
     print()
     print(
         "| case | worker half per request | Endpoint.post (NIXL posting in it) | control messages "
-        "| Endpoint.poll | the rest (planning, bookkeeping) |"
+        "| Endpoint.poll | the rest (planning, bookkeeping) | lease claim round trip (median / p90) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['case']} | {r['worker_us']:.0f} us | {r['worker_post_s']:.0f} us ({r['nixl_post_us']:.0f} us) "
-            f"| {r['worker_control_s']:.0f} us | {r['worker_poll_s']:.0f} us | {r['rest_us']:.0f} us |"
+            f"| {r['worker_control_s']:.0f} us | {r['worker_poll_s']:.0f} us | {r['rest_us']:.0f} us "
+            f"| {r['claim_median_us']:.0f} / {r['claim_p90_us']:.0f} us |"
         )
 
 

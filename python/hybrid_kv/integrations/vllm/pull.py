@@ -57,6 +57,7 @@ class PullWait:
     deadline: float  # monotonic
     algo: str
     answers: dict[int, Answer] = field(default_factory=dict)
+    queued: float = field(default_factory=time.perf_counter)
 
 
 class PullRecv:
@@ -155,6 +156,7 @@ class PullRecv:
                 self._read(wait)
 
     def _read(self, wait: PullWait) -> None:
+        self.reg.stats.record_claim(time.perf_counter() - wait.queued)
         req = wait.req
         refused = {r: err for r, (ok, err, _, _) in wait.answers.items() if not ok}
         if refused:

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 __all__ = ["SERIES", "COUNTERS", "HybridKvPromMetrics", "HybridKvStats"]
 
-SERIES = ("xfer_time_s", "post_time_s", "bytes", "descriptors", "ids")
+SERIES = ("xfer_time_s", "post_time_s", "bytes", "descriptors", "ids", "claim_time_s")
 COUNTERS = (
     "num_failed_transfers",
     "num_failed_handshakes",
@@ -68,6 +68,11 @@ class HybridKvStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]  # v
         self.data["ids"].append(int(ids))
         self.data["post_time_s"].append(float(post_s))
         self.data["xfer_time_s"].append(float(xfer_s))
+
+    def record_claim(self, seconds: float) -> None:
+        """A pull request's lease claims were answered ``seconds`` after they were queued (the round trip before its
+        READ)."""
+        self.data["claim_time_s"].append(float(seconds))
 
     def count(self, key: str, n: int = 1) -> None:
         """Add ``n`` to counter ``key`` (one of ``COUNTERS``)."""
@@ -125,6 +130,11 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "xfer_time_s": ("vllm:hybrid_kv_xfer_time_seconds", "Transfer time of a request (post to done).", times),
             "post_time_s": ("vllm:hybrid_kv_post_time_seconds", "Time to post a request's transfers.", times),
             "bytes": ("vllm:hybrid_kv_bytes_transferred", "Bytes moved per request.", [2**i for i in range(11, 35, 2)]),
+            "claim_time_s": (
+                "vllm:hybrid_kv_claim_time_seconds",
+                "Lease claim round trip of a pull request (its claims queued to the last answer, before the READ).",
+                times,
+            ),
             "descriptors": (
                 "vllm:hybrid_kv_num_descriptors",
                 "Descriptors NIXL posted per request (after merging ids consecutive on both sides).",
@@ -165,6 +175,26 @@ class HybridKvPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-
             "num_lost_controls": (
                 "vllm:hybrid_kv_num_lost_controls",
                 "Control messages to peers never acknowledged after every attempt (a request waiting on one fails).",
+            ),
+            "num_refused_claims": (
+                "vllm:hybrid_kv_num_refused_claims",
+                "Pull requests failed because a prefill refused the lease claim (ended, held by another engine).",
+            ),
+            "num_held_requests": (
+                "vllm:hybrid_kv_num_held_requests",
+                "Failed push requests whose blocks were held until no write could land any more.",
+            ),
+            "num_late_registrations": (
+                "vllm:hybrid_kv_num_late_registrations",
+                "Push registrations that came after their decode stopped waiting (nothing written).",
+            ),
+            "num_dropped_links": (
+                "vllm:hybrid_kv_num_dropped_links",
+                "Links to a dead or restarted peer engine dropped (linked again on the next request).",
+            ),
+            "num_side_channel_restarts": (
+                "vllm:hybrid_kv_num_side_channel_restarts",
+                "Side-channel processes restarted after they died.",
             ),
         }
         self._hist = {
