@@ -17,6 +17,7 @@ import pytest
 from conftest import RESULTS, RUNNING
 from engine import logprobs, tokens
 from pd import PdPair, compare_tokens, connectors, delivered_under_load, max_delta, pair_fixture_body, prompt
+from proxy import route
 
 MODEL = "gqa"
 BLOCK = 128  # vLLM's CPU attention block (tokens)
@@ -81,3 +82,22 @@ def test_hybrid_kv_logs_in_vllms_stream(pair: PdPair) -> None:
         lines = [ln for ln in e.log_path.read_text(errors="replace").splitlines() if VLLM_LINE.match(ln)]
         assert any("hybrid-kv scheduler" in ln for ln in lines), e.tail(40)
         assert any("hybrid-kv worker" in ln for ln in lines), e.tail(40)
+
+
+def test_a_restarted_prefill_is_used_again(pair: PdPair) -> None:
+    """The prefill is killed and restarted on the same host, ports and engine id while the decode keeps running:
+    the next requests are delivered with the reference's tokens (the decode links again; NixlConnector, like
+    hybrid-kv before, keeps its dead link and fails every request until the decode restarts too). Last in the
+    module: the pair's prefill is the restarted one afterwards."""
+    if not pair.connector.startswith("hybrid-kv"):
+        pytest.skip("NixlConnector reuses its dead link (the defect this test guards hybrid-kv against)")
+    from pd import START_TIMEOUT_S
+
+    pair.prefill.stop()
+    pair.prefill.start()
+    pair.prefill.wait_ready(START_TIMEOUT_S)
+    for i in range(3):
+        p = prompt(310 + i, BLOCK + 1 + 5 * i)
+        want = pair.reference(p, MAX_TOKENS).cached_tokens
+        out = route(pair.prefill, pair.decode, p, MAX_TOKENS)
+        assert out.tokens == want, f"request {i} after the restart: {out.tokens} != {want}"
