@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import statistics
 import tempfile
 import threading
@@ -33,6 +35,7 @@ from pd import PdPair, pair_fixture_body, prompt
 from proxy import PREFILL_PARAMS
 
 CONNECTORS = {"hybrid-kv": "hybrid-kv-pull", "nixl": "nixl"}
+LONGER = ["--max-model-len", "4096"]  # the long requests (3,000 tokens and more): the tests' engines take 1,024
 SERIES = {  # what the decode's /metrics says per request: name -> (hybrid-kv metric, NixlConnector metric)
     "queue": ("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds"),
     "transfer": ("vllm:hybrid_kv_xfer_time_seconds", "vllm:nixl_xfer_time_seconds"),
@@ -131,13 +134,16 @@ def main() -> int:
     ap.add_argument("--orders", type=int, default=2, help="1: hybrid-kv first; 2: also NixlConnector first")
     ap.add_argument("--json")
     args = ap.parse_args()
+    os.environ.setdefault("HYBRID_KV_SECRET", secrets.token_hex(32))  # the engines inherit the deployment's secret
     root = Path(tempfile.mkdtemp(prefix="hkv-handover-"))
     out = []
     for model in args.models.split(","):
         orders = [["hybrid-kv", "nixl"], ["nixl", "hybrid-kv"]][: args.orders]
         for order in orders:
             for which in order:
-                gen = pair_fixture_body(model, CONNECTORS[which], root / "models", root / "logs", RUNNING)
+                gen = pair_fixture_body(
+                    model, CONNECTORS[which], root / "models", root / "logs", RUNNING, extra_args=LONGER
+                )
                 pair = next(gen)
                 try:
                     row = {

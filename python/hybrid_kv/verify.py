@@ -53,6 +53,7 @@ __all__ = [
     "payload_mem_type",
     "peer_digest",
     "pull_check",
+    "push_check",
     "mismatch_reason",
     "to_hex",
     "wsum_digest",
@@ -314,6 +315,43 @@ def pull_check(
             reason = compare(d, digest, p_rank, decode_rank)
             if reason is not None:
                 reason += f" ({error})" if error else ""
+                break
+        if on_result is not None:
+            on_result(reason)
+        return reason
+
+    return check
+
+
+Writer = Callable[[str], tuple[int, bytes, bool, Sequence[Sequence[int]]]]
+"""A push writer by its agent name: ``(its prefill rank, its handshake payload, its coalesce setting, its ids)``."""
+
+
+def push_check(
+    mirrors: MirrorCache,
+    digester: Digester,
+    writer: Writer,
+    own_ids: Sequence[Sequence[int]],
+    decode_rank: int,
+    algo: Callable[[bytes], str],
+    *,
+    before: Callable[[], None] | None = None,
+    on_result: Callable[[str | None], None] | None = None,
+) -> Callable[[dict[str, int | None]], str | None]:
+    """The check a push receiver hands ``Endpoint.expect(check=)``: once every writer's bytes landed, each writer's
+    digest (from its done-notices) against this rank's digest of its side of the writer's moves, rebuilt from the
+    writer's payload and ids (``MirrorCache``); ``algo`` picks the algorithm from a writer's payload. ``before``
+    runs first (fault injection in tests), ``on_result`` gets the outcome (counters, timers)."""
+
+    def check(digests: dict[str, int | None]) -> str | None:
+        if before is not None:
+            before()
+        reason = None
+        for sender, theirs in sorted(digests.items()):
+            p_rank, payload, coalesce, their_ids = writer(sender)
+            moves = mirrors.get(payload, coalesce).moves(their_ids, own_ids)
+            reason = compare(digester.digest(moves, "remote", algo(payload)), theirs, p_rank, decode_rank)
+            if reason is not None:
                 break
         if on_result is not None:
             on_result(reason)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..claims import ClaimEntry, claim_digests, serve_claims
-from ..verify import VerifyPolicy, compare, initiator_digests, pull_check
+from ..verify import VerifyPolicy, initiator_digests, pull_check, push_check
 from .content import Content, Request, Side, expect_decode, fill_prefill, random_bytes, region_mismatch
 
 POLL_SLEEP_S = 0.0002
@@ -401,23 +401,30 @@ class _Worker:
         """The decode's check of a pushed request: each writer's digest against this rank's digest of the bytes
         that landed, the moves rebuilt from the writer's payload (its plan, mirrored)."""
 
-        def check(digests: dict[str, int | None]) -> str | None:
-            self._corrupt_landed(r.rid)
-            t0 = time.perf_counter()
-            try:
-                for sender, theirs in sorted(digests.items()):
-                    p_rank = int(sender.rsplit("-", 1)[1])
-                    mirror = self.mirrors.get(payloads[p_rank], True)
-                    mine = self.digester.digest(mirror.moves(r.prefill_ids, r.decode_ids), "remote", "xxh3")
-                    reason = compare(mine, theirs, p_rank, self.spec.rank)
-                    if reason is not None:
-                        return reason
-                return None
-            finally:
-                self.digest_s += time.perf_counter() - t0
-                self.digested += 1
+        started = [0.0]
 
-        return check
+        def before() -> None:
+            self._corrupt_landed(r.rid)
+            started[0] = time.perf_counter()
+
+        def timed(reason: str | None) -> None:
+            self.digest_s += time.perf_counter() - started[0]
+            self.digested += 1
+
+        def writer(sender: str) -> tuple[int, bytes, bool, Any]:
+            p_rank = int(sender.rsplit("-", 1)[1])
+            return p_rank, payloads[p_rank], True, r.prefill_ids
+
+        return push_check(
+            self.mirrors,
+            self.digester,
+            writer,
+            r.decode_ids,
+            self.spec.rank,
+            lambda _: "xxh3",
+            before=before,
+            on_result=timed,
+        )
 
     def _answer_digests(self, controls: list[Any]) -> None:
         """Prefill in pull mode: answer each decode rank's claims of this batch's requests with their digests."""

@@ -250,24 +250,35 @@ class Rank:
         self.ask_s += time.perf_counter() - t0
         return got
 
+    def _timers(self) -> tuple[Any, Any]:
+        """``(before, on_result)`` hooks timing one verification check into ``digest_s`` and counting it."""
+        started = [0.0]
+
+        def before() -> None:
+            started[0] = time.perf_counter()
+
+        def timed(reason: str | None) -> None:
+            self.digest_s += time.perf_counter() - started[0]
+            self.digested += 1
+
+        return before, timed
+
     def _pull_check(self, transfers: list[Any], theirs: dict[int, tuple[int | None, str]], algo: str) -> Any:
-        from ..verify import compare, initiator_digests
+        from ..verify import pull_check
 
-        def check_fn() -> str | None:
-            t0 = time.perf_counter()
-            try:
-                mine = initiator_digests(self.digester, self.link.plan, transfers, self.link.rank_of, algo)
-                for peer, d in mine.items():
-                    p_rank = self.link.rank_of(peer)
-                    reason = compare(d, theirs[p_rank][0], p_rank, self.spec.rank)
-                    if reason is not None:
-                        return reason + (f": {theirs[p_rank][1]}" if theirs[p_rank][1] else "")
-                return None
-            finally:
-                self.digest_s += time.perf_counter() - t0
-                self.digested += 1
-
-        return check_fn
+        before, timed = self._timers()
+        link = self.link
+        return pull_check(
+            self.digester,
+            link.plan,
+            transfers,
+            link.rank_of,
+            algo,
+            theirs.__getitem__,
+            self.spec.rank,
+            before=before,
+            on_result=timed,
+        )
 
     # ------------------------------------------------------------------ the passive rank
 
@@ -285,26 +296,24 @@ class Rank:
             self.awaited[pid] = self.ep.expect(pid, self.spec.deadline_s, writers=writers, check=check_fn)
 
     def _push_check(self, rid: str, payloads: dict[int, bytes], ranks: dict[str, int], algo: str) -> Any:
-        from ..verify import compare
+        from ..verify import push_check
 
         r = self.requests[rid]
+        before, timed = self._timers()
 
-        def check_fn(digests: dict[str, int | None]) -> str | None:
-            t0 = time.perf_counter()
-            try:
-                for sender, theirs in sorted(digests.items()):
-                    p_rank = ranks[sender]
-                    mirror = self.mirrors.get(payloads[p_rank], True)
-                    mine = self.digester.digest(mirror.moves(r.prefill_ids, r.decode_ids), "remote", algo)
-                    reason = compare(mine, theirs, p_rank, self.spec.rank)
-                    if reason is not None:
-                        return reason
-                return None
-            finally:
-                self.digest_s += time.perf_counter() - t0
-                self.digested += 1
+        def writer(sender: str) -> tuple[int, bytes, bool, Any]:
+            return ranks[sender], payloads[ranks[sender]], True, r.prefill_ids
 
-        return check_fn
+        return push_check(
+            self.mirrors,
+            self.digester,
+            writer,
+            r.decode_ids,
+            self.spec.rank,
+            lambda _: algo,
+            before=before,
+            on_result=timed,
+        )
 
     def expect_from(
         self, peers: dict[int, tuple[str, str]], posted: dict[str, list[str]], payloads: dict[int, bytes], verify: bool

@@ -26,7 +26,7 @@ from ...connector_core import control
 from ...connector_core.leases import LEASE_MARGIN_S
 from ...transport import TransferError
 from ...transport.courier import Delivery
-from ...verify import algorithm, compare, payload_mem_type
+from ...verify import algorithm, payload_mem_type, push_check
 from .metadata import BlockIds, RecvReq
 from .state import Job, Registered, worker_name
 
@@ -174,24 +174,25 @@ class PushRecv:
         self.held[rid] = (free_at, wait.req.local_block_ids)
 
     def _check(self, wait: PushWait) -> Callable[[dict[str, int | None]], str | None]:
-        """Push, ``verify``: the decode's check once the writers' bytes landed: each writer's digest (from its
-        done-notices) against this rank's digest of its side of the writer's moves, rebuilt from the payload its
-        ``PushPlan`` carried."""
+        """Push, ``verify``: the decode's check once the writers' bytes landed (``verify.push_check``): the moves
+        rebuilt from each writer's ``PushPlan`` (a concurrent push's remote ids are the writer's word)."""
         reg = self.reg
 
-        def check(digests: dict[str, int | None]) -> str | None:
-            reg.stats.count("num_verified_transfers")
-            for sender, theirs in sorted(digests.items()):
-                payload, coalesce, their_ids = wait.payloads.get(sender, (b"", True, []))
-                p_rank = wait.names[sender]
-                mirror = reg.mirrors.get(payload, coalesce)
-                algo = algorithm(reg.table.mem_type, payload_mem_type(payload))
-                remote_ids = wait.req.remote_block_ids or their_ids  # a concurrent push's: the writer's word
-                mine = reg.digester.digest(mirror.moves(remote_ids, wait.req.local_block_ids), "remote", algo)
-                reason = compare(mine, theirs, p_rank, reg.tp_rank)
-                if reason is not None:
-                    reg.stats.count("num_digest_mismatches")
-                    return reason
-            return None
+        def writer(sender: str) -> tuple[int, bytes, bool, BlockIds]:
+            payload, coalesce, their_ids = wait.payloads.get(sender, (b"", True, []))
+            return wait.names[sender], payload, coalesce, wait.req.remote_block_ids or their_ids
 
-        return check
+        def counted(reason: str | None) -> None:
+            reg.stats.count("num_verified_transfers")
+            if reason is not None:
+                reg.stats.count("num_digest_mismatches")
+
+        return push_check(
+            reg.mirrors,
+            reg.digester,
+            writer,
+            wait.req.local_block_ids,
+            reg.tp_rank,
+            lambda payload: algorithm(reg.table.mem_type, payload_mem_type(payload)),
+            on_result=counted,
+        )
