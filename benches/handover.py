@@ -35,7 +35,7 @@ from pd import PdPair, pair_fixture_body, prompt
 from proxy import PREFILL_PARAMS
 
 CONNECTORS = {"hybrid-kv": "hybrid-kv-pull", "nixl": "nixl"}
-LONGER = ["--max-model-len", "4096"]  # the long requests (3,000 tokens and more): the tests' engines take 1,024
+LONGER = ["--max-model-len", "2048"]  # the long requests (1,900 tokens): the tests' engines take 1,024
 SERIES = {  # what the decode's /metrics says per request: name -> (hybrid-kv metric, NixlConnector metric)
     "queue": ("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds"),
     "transfer": ("vllm:hybrid_kv_xfer_time_seconds", "vllm:nixl_xfer_time_seconds"),
@@ -106,7 +106,7 @@ def measure(pair: PdPair, which: str, requests: int, long: int, max_tokens: int)
     wall = max(r["end"] for r in rows) - t0
     split = {k: per_request(pair.decode, v[col], before) * 1e3 for k, v in SERIES.items()}
     before_long = {f"{n}{s}": pair.decode.metric(n + s) for n in names for s in ("_sum", "_count")}
-    longs = [one(pair, prompt(900 + i, 3000 + i), max_tokens) for i in range(long)]
+    longs = [one(pair, prompt(900 + i, 1900 + i), max_tokens) for i in range(long)]
     long_xfer = [per_request(pair.decode, SERIES["transfer"][col], before_long) * 1e3] if long else []
     ho = sorted(r["handover"] for r in rows)
     ttft = sorted(r["ttft"] for r in rows)
@@ -129,7 +129,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gqa,qwen3-next")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--long", type=int, default=8, help="long requests (3,000 tokens) one after the other")
+    ap.add_argument("--long", type=int, default=8, help="long requests (1,900 tokens) one after the other")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--orders", type=int, default=2, help="1: hybrid-kv first; 2: also NixlConnector first")
     ap.add_argument("--json")

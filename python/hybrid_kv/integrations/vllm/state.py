@@ -1,11 +1,11 @@
 """What every part of a worker shares once its KV caches are registered: ``Registered``, ``Completion``, ``Job``.
 
-Threads: vLLM calls every worker hook from one thread (the worker's step thread); every field here, and every
-field of the roles built on it (``pull``, ``claim_server``, ``push_recv``, ``push_send``, ``stream_send``,
-``links``), is read and written on that thread only. The other threads a worker runs own nothing here: the
-handshake threads (``link_pool``) return prepared links, the courier (``transport.courier``) returns delivery
-outcomes, the stream poster (``streaming``) releases stages through the endpoint's lock; the step thread takes
-their results in ``WorkerHalf._progress``.
+Threads: every field here, and every field of the roles built on it (``pull``, ``claim_server``, ``push_recv``,
+``push_send``, ``stream_send``, ``links``), is read and written only under the worker's lock
+(``WorkerHalf.lock``): by vLLM's worker thread in its hooks, and by the worker's ``Responder`` between steps. The
+other threads a worker runs own nothing here: the handshake threads (``link_pool``) return prepared links, the
+courier (``transport.courier``) returns delivery outcomes, the stream poster (``streaming``) releases stages
+through the endpoint's lock; their results are taken in ``WorkerHalf._progress``.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,7 @@ from .outbox import Outbox
 from .pull import PullRecv
 from .push_recv import PushRecv
 from .push_send import PushSend
+from .responder import Responder
 from .state import Completion, Registered, worker_name
 from .stats import HybridKvStats
 from .stream_send import StreamSend
@@ -53,7 +55,10 @@ log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 
 
 class WorkerHalf:
-    """The connector's worker half (one per TP worker); every method runs on vLLM's worker thread."""
+    """The connector's worker half (one per TP worker). vLLM calls every method from its worker thread; between
+    its steps, while requests are in flight, the ``Responder`` thread progresses the worker. Both hold ``lock``
+    while they touch the worker's state, so it is never touched by two threads at once (the per-layer streaming
+    hooks touch only the forward's hooks and the poster's queue, and take no lock)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, engine_id: str, cfg: ConnectorConfig) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -77,6 +82,8 @@ class WorkerHalf:
         self.push_recv: PushRecv | None = None
         self.push_send: PushSend | None = None
         self.stream: StreamSend | None = None
+        self.lock = threading.RLock()
+        self.responder: Responder | None = None  # started by register_kv_caches
 
     # ------------------------------------------------------------------ registration
 
@@ -150,6 +157,7 @@ class WorkerHalf:
         )
         if cfg.mode == "push" and cfg.stream:
             self._init_streaming(reg)
+        self.responder = Responder(self.name, self.lock, self._busy, self._progress)
         log.debug("hybrid-kv worker %s: registered in %.1f ms", self.name, (time.perf_counter() - t0) * 1e3)
 
     def _init_streaming(self, reg: Registered) -> None:
@@ -198,25 +206,29 @@ class WorkerHalf:
         chunk it computes and whose decode registered in time. Never raises, never waits on a peer."""
         if self.stream is None or (not meta.stream and not self.stream.hooks.active):
             return
-        t0 = time.perf_counter()
-        try:
-            if meta.stream:
-                self._progress()  # registrations that arrived since the last step
-            self.stream.begin_step(meta)
-        except Exception as exc:  # noqa: BLE001 - never raise into vLLM's step: those requests push whole
-            log.error("hybrid-kv %s: starting this step's streams failed: %s", self.name, exc)
-        self.stats.add_time("worker_s", time.perf_counter() - t0)
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                if meta.stream:
+                    self._progress()  # registrations that arrived since the last step
+                self.stream.begin_step(meta)
+            except Exception as exc:  # noqa: BLE001 - never raise into vLLM's step: those requests push whole
+                log.error("hybrid-kv %s: starting this step's streams failed: %s", self.name, exc)
+            self.stats.add_time("worker_s", time.perf_counter() - t0)
 
     def start_load_kv(self, meta: HybridKvMetadata) -> None:
         """Lease this step's finished prefill requests, and load (pull) or register (push) its decode requests.
         Never blocks on a peer: a request whose peer engine is not yet connected waits for the background
         handshake."""
-        t0 = time.perf_counter()
-        try:
-            self._start(meta)
-        except Exception as exc:  # noqa: BLE001 - a defect must fail requests, never the engine
-            log.exception("hybrid-kv %s: start_load_kv failed: %s", self.name, exc)
-        self.stats.add_time("worker_s", time.perf_counter() - t0)
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                self._start(meta)
+            except Exception as exc:  # noqa: BLE001 - a defect must fail requests, never the engine
+                log.exception("hybrid-kv %s: start_load_kv failed: %s", self.name, exc)
+            self.stats.add_time("worker_s", time.perf_counter() - t0)
+        if self.responder is not None and (meta.send or meta.recv):
+            self.responder.kick()
 
     def _start(self, meta: HybridKvMetadata) -> None:
         for rid, send in meta.send.items():
@@ -268,25 +280,30 @@ class WorkerHalf:
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call; never raises."""
-        t0 = time.perf_counter()
-        try:
-            self._progress()
-        except Exception as exc:  # noqa: BLE001 - a defect must fail requests, never the engine
-            log.exception("hybrid-kv %s: progress failed: %s", self.name, exc)
-        out = self.completion.take()
-        self.stats.add_time("worker_s", time.perf_counter() - t0)
-        return out
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                self._progress()
+            except Exception as exc:  # noqa: BLE001 - a defect must fail requests, never the engine
+                log.exception("hybrid-kv %s: progress failed: %s", self.name, exc)
+            out = self.completion.take()
+            self.stats.add_time("worker_s", time.perf_counter() - t0)
+            return out
 
     def take_invalid_blocks(self) -> set[int]:
-        return self.completion.take_invalid_blocks()
+        with self.lock:
+            return self.completion.take_invalid_blocks()
 
     def take_stats(self) -> HybridKvStats | None:
-        stats = self.stats.clone_and_reset()
+        with self.lock:
+            stats = self.stats.clone_and_reset()
         return None if stats.is_empty() and not stats.data["worker_s"] else stats
 
     def shutdown(self) -> None:
         """Close the endpoint (every link's handles with it); a handshake still running is awaited (it has
         deadlines; a prepared link holds no NIXL handle)."""
+        if self.responder is not None:
+            self.responder.close()
         if self.stream is not None:
             self.stream.close()
         if self.links is not None:
@@ -295,6 +312,20 @@ class WorkerHalf:
             self.reg.ep.close()  # the courier with it: messages still queued are dropped
 
     # ------------------------------------------------------------------ progress and dispatch
+
+    def _busy(self) -> bool:
+        """Whether a peer may be waiting on this worker: leases a decode may claim and read, requests posted or
+        awaited, loads waiting for claims, registrations or held blocks, control messages in flight."""
+        reg = self.reg
+        if reg is None:
+            return False
+        return bool(
+            len(self.leases)
+            or reg.inflight
+            or (self.pull is not None and self.pull.waits)
+            or (self.push_recv is not None and (self.push_recv.waits or self.push_recv.held))
+            or reg.outbox.pending()
+        )
 
     def _progress(self) -> None:
         reg = self.reg
