@@ -9,7 +9,13 @@ shapes); the scenario's groups give the whole model's and are divided per rank a
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
+import sys
+from typing import Literal
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # NotRequired is 3.11's; typing_extensions' TypedDict honours it on 3.10
+    from typing_extensions import NotRequired, TypedDict
 
 __all__ = [
     "KV_LAYOUTS",
