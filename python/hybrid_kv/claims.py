@@ -29,7 +29,7 @@ import msgspec
 
 from .transport.side_channel import MAX_CONTROL_BYTES
 from .verify import MAX_PAYLOAD_BYTES, Algo, MirrorCache, peer_digest
-from .wire import BlockIdLists, Count, Hex64, Host, Limits, Name, Port, RequestId, WallTime, decode
+from .wire import MAX_TICKET_CHARS, BlockIdLists, Count, Hex64, Host, Limits, Name, Port, RequestId, WallTime, decode
 
 __all__ = [
     "MAX_CLAIM_ENTRIES",
@@ -66,13 +66,15 @@ class ClaimError(ValueError):
 
 class ClaimEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One request claimed: the holder's request id and grant, the initiator's request id and (for a digest) its
-    block ids."""
+    block ids; ``ticket``: the holder's own signed ticket for it (the vLLM connector), so that the holder can
+    confirm a lease its worker has not been told about yet (its scheduler finished the request a step ago)."""
 
     req: RequestId
     grant: SmallGrant
     d_req: RequestId
     ids: BlockIdLists = []
     digest: bool = False
+    ticket: Annotated[str, msgspec.Meta(max_length=MAX_TICKET_CHARS)] = ""
 
 
 class Claim(msgspec.Struct, tag="claim", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
@@ -110,7 +112,7 @@ class ClaimAnswers(msgspec.Struct, tag="claim_answers", tag_field=TAG_FIELD, fro
     instance: Instance = ""
 
 
-LIMITS = Limits(max_bytes=MAX_CONTROL_BYTES, max_len=1 << 20, max_str=4096, max_depth=6)
+LIMITS = Limits(max_bytes=MAX_CONTROL_BYTES, max_len=1 << 20, max_str=MAX_TICKET_CHARS, max_depth=6)
 """Pre-scan bounds of a claim message (the deepest: ``Claim`` -> entries -> entry -> ids -> group -> id)."""
 
 _encoder = msgspec.msgpack.Encoder()
@@ -133,7 +135,7 @@ def instance_of(nixl_metadata: bytes) -> str:
 
 def entry_size(entry: ClaimEntry) -> int:
     """An upper bound of the bytes ``entry`` takes in a message."""
-    return 64 + len(entry.req) + len(entry.d_req) + sum(5 * len(g) + 5 for g in entry.ids)
+    return 64 + len(entry.req) + len(entry.d_req) + len(entry.ticket) + sum(5 * len(g) + 5 for g in entry.ids)
 
 
 def split_entries(entries: Sequence[Any], size: Callable[[Any], int], budget: int) -> Iterator[list[Any]]:

@@ -21,6 +21,7 @@ from .limits import MAX_GROUPS, MAX_TP_SIZE
 __all__ = [
     "GRANT_BYTES",
     "MAX_BLOCKS_PER_GROUP",
+    "MAX_TICKET_CHARS",
     "BlockIdLists",
     "Count",
     "Grant",
@@ -39,6 +40,9 @@ GRANT_BYTES = 16
 """Bytes of a random grant or capability (128 bits)."""
 MAX_BLOCKS_PER_GROUP = 1 << 20
 """Most block ids in one group of a message (a 16 M-token context in 16-token blocks)."""
+MAX_TICKET_CHARS = 12 * MAX_GROUPS * 1024 + 1024
+"""Longest ticket text decoded; longer is refused before base64 allocates (a ticket of a 64 K-token request in
+16-token blocks over 4 groups is about 22 KB)."""
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]

@@ -125,3 +125,29 @@ def test_a_claim_for_an_ended_lease_is_refused_at_once() -> None:
     assert book.claim("decode", ClaimEntry("p-1", GRANT, "d-1")) is None  # not leased yet: kept early
     book.drop("p-0")
     assert "it ended" in str(book.claim("decode", ClaimEntry("p-0", GRANT, "d-0")))
+
+
+def test_a_claim_ahead_of_its_lease_is_confirmed_from_its_ticket() -> None:
+    """The decode may claim before the prefill worker was told of the lease (its scheduler finished the request a
+    step ago): the claim's ticket, signed by this engine's scheduler, confirms it at once, for the first engine,
+    which becomes the lease's holder when it comes."""
+    key = TicketKey(SECRET)
+    t = [1000.0]
+    book = LeaseBook("prefill-tp0", clock=lambda: t[0], wall=lambda: 1.7e9 + t[0], tickets=key, engine_id="prefill")
+    wall = 1.7e9 + t[0]
+    ticket = Ticket(1, "prefill", "p-0", GRANT, [[4, 5]], "127.0.0.1", 5600, 1, 16, wall + 30, wall + 90, "pull")
+    text = key.issue(ticket)
+    lease = book.claim("decode", ClaimEntry("p-0", GRANT, "d-0", ticket=text))
+    assert not isinstance(lease, str) and lease is not None and lease.block_ids == [[4, 5]]
+    assert book.expires_at(lease) == pytest.approx(wall + 30)
+    assert "held by 'decode'" in str(book.claim("replayer", ClaimEntry("p-0", GRANT, "e-0", ticket=text)))
+    assert "another request's ticket" in str(book.claim("decode", ClaimEntry("p-1", GRANT, "d-1", ticket=text)))
+    assert "another request's ticket" in str(book.claim("decode", ClaimEntry("p-0", b"\0" * 16, "d-0", ticket=text)))
+    other = key.issue(Ticket(1, "other", "p-2", GRANT, [[1]], "h", 1, 1, 1, wall + 30, wall + 90, "pull"))
+    assert "engine 'other'" in str(book.claim("decode", ClaimEntry("p-2", GRANT, "d-2", ticket=other)))
+    forged = TicketKey(b"another-deployment-secret-32-bytes!!").issue(ticket)
+    assert "does not verify" in str(book.claim("decode", ClaimEntry("p-0", GRANT, "d-0", ticket=forged)))
+    book.add("p-0", SendLease([[4, 5]], 30.0, GRANT, 60.0))
+    assert book.leases["p-0"].holder == "decode"
+    unkeyed = LeaseBook("prefill-tp0", tickets=TicketKey(None), engine_id="prefill")  # insecure: no ticket trusted
+    assert unkeyed.claim("decode", ClaimEntry("p-0", GRANT, "d-0", ticket=text)) is None

@@ -41,7 +41,19 @@ import msgspec
 from ..claims import TAG_FIELD, Claim, ClaimAnswers, Instance
 from ..transport.side_channel import MAX_CONTROL_BYTES
 from ..verify import MAX_PAYLOAD_BYTES
-from ..wire import GRANT_BYTES, BlockIdLists, Grant, Host, Limits, Name, Port, RequestId, TpSize, WallTime
+from ..wire import (
+    GRANT_BYTES,
+    MAX_TICKET_CHARS,
+    BlockIdLists,
+    Grant,
+    Host,
+    Limits,
+    Name,
+    Port,
+    RequestId,
+    TpSize,
+    WallTime,
+)
 from ..wire import decode as decode_wire
 
 __all__ = [
@@ -125,8 +137,9 @@ class PushPlan(msgspec.Struct, tag="push_plan", tag_field=TAG_FIELD, frozen=True
 
 Control = Release | Renew | PushReg | PushPlan | StreamReg | Claim | ClaimAnswers
 
-LIMITS = Limits(max_bytes=MAX_CONTROL_BYTES, max_len=1 << 20, max_str=4096, max_depth=6)
-"""Pre-scan bounds of a control message (the deepest: a ``Claim``'s entries' block ids)."""
+LIMITS = Limits(max_bytes=MAX_CONTROL_BYTES, max_len=1 << 20, max_str=MAX_TICKET_CHARS, max_depth=6)
+"""Pre-scan bounds of a control message (the deepest: a ``Claim``'s entries' block ids; the longest string: a
+claim's ticket)."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)

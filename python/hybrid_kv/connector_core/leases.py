@@ -33,6 +33,7 @@ from .control import Control, PushReg, Release, Renew, StreamReg, rank_of
 from .early import EarlyBox, EarlyMessage
 from .requests import BlockIds, SendLease
 from .stream_regs import StreamRegs
+from .tickets import TicketError, TicketKey
 
 __all__ = ["LEASE_MARGIN_S", "MAX_ENDED", "MIN_PUSH_S", "Lease", "LeaseBook", "push_deadline", "renewal_until"]
 
@@ -47,6 +48,9 @@ MIN_PUSH_S = 1.0
 """Push: a registration whose decode stops waiting sooner than this (plus the margin) is not written to."""
 MAX_ENDED = 1 << 16
 """Ended leases remembered (request ids), so that a late or replayed claim is refused at once."""
+MAX_CLAIMED_AHEAD = 1 << 16
+"""Leases confirmed from their ticket before this worker was told of them, remembered until it is (or their
+ticket's latest end)."""
 
 
 def push_deadline(until: float | None, timeout_s: float, now: float | None = None) -> float | None:
@@ -100,8 +104,13 @@ class LeaseBook:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         stream_ttl_s: float = 60.0,
+        tickets: TicketKey | None = None,
+        engine_id: str | None = None,
     ) -> None:
         self.name = name
+        self._tickets = tickets if tickets is not None and tickets.signed else None
+        self.engine_id = engine_id
+        self._ahead: collections.OrderedDict[str, tuple[str, bytes, float]] = collections.OrderedDict()
         self._clock = clock
         self._wall = wall
         self.leases: dict[str, Lease] = {}
@@ -128,6 +137,9 @@ class LeaseBook:
         lease = Lease(send.block_ids, send.grant, now + send.lease_s, now + send.lease_s + send.max_extension_s)
         self.leases[rid] = lease
         self._ended.pop(rid, None)
+        ahead = self._ahead.pop(rid, None)
+        if ahead is not None and hmac.compare_digest(ahead[1], send.grant):
+            lease.holder = ahead[0]  # confirmed from its ticket before this worker was told of it
         if send.cap and send.cap not in self._streaming:
             lease.cap = send.cap
             self._by_cap[send.cap] = rid
@@ -190,7 +202,9 @@ class LeaseBook:
         is refused, or ``None`` when it is not leased here yet (the caller keeps the claim early)."""
         lease = self.leases.get(entry.req)
         if lease is None:
-            return f"no lease of {entry.req!r} here: it ended" if entry.req in self._ended else None
+            if entry.req in self._ended:
+                return f"no lease of {entry.req!r} here: it ended"
+            return self._claim_ahead(engine, entry) if entry.ticket and self._tickets is not None else None
         if not hmac.compare_digest(lease.grant, entry.grant):
             return f"claim of {entry.req!r} carries another grant than its ticket's"
         if lease.holder is not None and lease.holder != engine:
@@ -200,6 +214,32 @@ class LeaseBook:
             return f"the lease of {entry.req!r} ends in {max(0.0, left):.1f} s, too soon to read"
         lease.holder = engine
         return lease
+
+    def _claim_ahead(self, engine: str, entry: ClaimEntry) -> Lease | str:
+        """Confirm a lease this worker has not been told of yet from its ticket, which this engine's scheduler
+        signed when it finished the request (its blocks stay held until this worker frees them): the claim's grant
+        and request must be the ticket's, the ticket this engine's, with more than ``LEASE_MARGIN_S`` left. The
+        engine claiming it becomes its holder when the lease comes (``add``)."""
+        assert self._tickets is not None
+        try:
+            ticket = self._tickets.open(entry.ticket)
+        except TicketError as exc:
+            return f"claim of {entry.req!r}: {exc}"
+        if ticket.request_id != entry.req or not hmac.compare_digest(ticket.grant, entry.grant):
+            return f"claim of {entry.req!r} carries another request's ticket"
+        if self.engine_id is not None and ticket.engine_id != self.engine_id:
+            return f"claim of {entry.req!r} carries engine {ticket.engine_id!r}'s ticket"
+        ahead = self._ahead.get(entry.req)
+        if ahead is not None and ahead[0] != engine:
+            return f"claim of {entry.req!r} from engine {engine!r}; the lease is held by {ahead[0]!r}"
+        left = ticket.expires_at - self._wall()
+        if left <= LEASE_MARGIN_S:
+            return f"the lease of {entry.req!r} ends in {max(0.0, left):.1f} s, too soon to read"
+        now = self._clock()
+        self._ahead[entry.req] = (engine, ticket.grant, now + (ticket.max_expires_at - self._wall()))
+        while len(self._ahead) > MAX_CLAIMED_AHEAD or (self._ahead and next(iter(self._ahead.values()))[2] <= now):
+            self._ahead.popitem(last=False)
+        return Lease(ticket.block_ids, ticket.grant, now + left, now + left, holder=engine)
 
     def expires_at(self, lease: Lease) -> float:
         """``lease``'s end on the wall clock (what a decode compares its read's end with)."""

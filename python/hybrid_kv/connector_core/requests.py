@@ -37,6 +37,9 @@ class RecvReq:
     refused: str | None = None
     verify: bool = False  # check this request's transfer digests end to end (the scheduler's ``verify`` choice)
     cap: bytes = b""  # a concurrent push's capability (then no ticket, remote_request_id and remote_block_ids)
+    ticket: str = (
+        ""  # the verified ticket's text: claims carry it (the prefill confirms a lease it was not told of yet)
+    )
     # the request is gone here (aborted or rejected before it loaded): only tell the prefill engine to free its
     # blocks; vLLM no longer knows the request, so it is never reported finished or failed
     release_only: bool = False

@@ -31,9 +31,10 @@ import msgspec
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..limits import MAX_GROUPS, MAX_TP_SIZE
+from ..limits import MAX_TP_SIZE
 from ..wire import (
     MAX_BLOCKS_PER_GROUP,
+    MAX_TICKET_CHARS,
     BlockIdLists,
     Grant,
     Host,
@@ -65,9 +66,6 @@ TICKET_VERSION = 1
 TICKET_INFO = b"hybrid-kv/vllm transfer ticket v1"
 """HKDF ``info`` label of the ticket key (distinct from every other use of the secret)."""
 TAG_BYTES = 32
-MAX_TICKET_CHARS = 12 * MAX_GROUPS * 1024 + 1024
-"""Longest ticket text decoded; longer is refused before base64 allocates (a ticket of a 64 K-token request
-in 16-token blocks over 4 groups is about 22 KB)."""
 ALREADY_USED = "was already used"
 """The end of the refusal of a ticket or capability used before."""
 MAX_SPENT_TICKETS = 1 << 17

@@ -102,9 +102,8 @@ class PullRecv:
             if lease_over(req.lease_expires_at):
                 raise TransferError(f"the prefill engine's lease on {req.remote_request_id!r} expired before the read")
             names = {worker_name(link.engine_id, r): r for r in link.targets}
-            entry = ClaimEntry(
-                req.remote_request_id, req.grant, req.request_id, req.local_block_ids if req.verify else [], req.verify
-            )
+            ids = req.local_block_ids if req.verify else []
+            entry = ClaimEntry(req.remote_request_id, req.grant, req.request_id, ids, req.verify, req.ticket)
             for name, r in names.items():
                 self._claims.add(link.addresses[r], name, entry)
             algo = self.links.algos.get(link.engine_id, "xxh3")

@@ -248,6 +248,7 @@ class SchedulerHalf:
             remote_host=ticket.host,
             remote_port=ticket.port,
             remote_tp_size=ticket.tp_size,
+            ticket=str(params[TICKET_FIELD]),
             lease_expires_at=ticket.expires_at,
             max_lease_expires_at=ticket.max_expires_at,
             grant=ticket.grant,

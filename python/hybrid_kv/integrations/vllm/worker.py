@@ -34,7 +34,9 @@ from ...connector_core import control
 from ...connector_core.config import ConnectorConfig
 from ...connector_core.leases import LeaseBook
 from ...connector_core.params import parse_networks
+from ...connector_core.tickets import TicketKey
 from ...transport import Endpoint, TransferError
+from ...transport.auth import resolve_secret
 from ...verify import Digester, MirrorCache
 from .claim_server import ClaimServer
 from .layout import compat_factors, engine_facts, rank_table
@@ -75,7 +77,11 @@ class WorkerHalf:
         self.stats = HybridKvStats()
         self.completion = Completion(self.name, len(kv_cache_config.transfer_groups), self.stats)
         self.reg: Registered | None = None  # set by register_kv_caches
-        self.leases = LeaseBook(self.name, stream_ttl_s=cfg.push_registration_timeout_s)
+        # a claim that comes before this worker was told of its lease is confirmed from the ticket it carries
+        tickets = TicketKey(resolve_secret(None, insecure=cfg.insecure, required=True, what=f"worker {self.name!r}"))
+        self.leases = LeaseBook(
+            self.name, stream_ttl_s=cfg.push_registration_timeout_s, tickets=tickets, engine_id=engine_id
+        )
         self.links: Links | None = None
         self.pull: PullRecv | None = None
         self.claims: ClaimServer | None = None
