@@ -25,7 +25,8 @@ from typing import Any
 
 from ._core import LayoutError, check_scenario
 from .limits import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE
-from .presets import Preset, get_preset
+from .model_preset import Preset
+from .presets import get_preset
 
 # Heuristics for "descriptor-bound" (UCX posts one work request per descriptor; #55434 measured
 # descriptor posting at 57% of the transfer time with ~112k descriptors per transfer over cuda_ipc).

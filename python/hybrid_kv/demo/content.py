@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..presets import Geometry, Preset
+from ..model_preset import Geometry, Preset
 
 U8 = npt.NDArray[np.uint8]
 
