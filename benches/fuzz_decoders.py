@@ -214,7 +214,8 @@ def run(iterations: int, seed: int) -> dict[str, dict[str, int]]:
 
 def _frames_fuzzer(rng: random.Random) -> Callable[[], str]:
     """A side-channel server's handling of one request's frames (its thread is not started: ``_handle`` alone)."""
-    from hybrid_kv.transport.side_channel import PROTOCOL, SideChannelServer
+    from hybrid_kv.transport.channel_server import SideChannelServer
+    from hybrid_kv.transport.side_channel import PROTOCOL
 
     server = SideChannelServer.__new__(SideChannelServer)  # the request handling alone, no socket
     server._name, server._logged, server._bound = b"P", set(), "tcp://fuzz"  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,13 @@ def main() -> None:
     ap.add_argument("--nixl-md", type=int, default=3000, help="NIXL metadata bytes")
     args = ap.parse_args()
 
-    from hybrid_kv.transport import side_channel as new
+    from hybrid_kv.transport import channel_client, channel_server
+
+    new = types.SimpleNamespace(
+        SideChannelServer=channel_server.SideChannelServer,
+        fetch_named_meta=channel_client.fetch_named_meta,
+        send_control=channel_client.send_control,
+    )
 
     old = load_old(args.old_commit)
     secret = secrets.token_hex(32).encode()

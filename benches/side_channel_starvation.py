@@ -71,7 +71,7 @@ def _worker(candidate: str, hold_s: float, out: Any) -> None:
     """The spinning vLLM-like worker, serving its side channel as ``candidate`` says."""
     from hybrid_kv.transport.auth import resolve_secret
     from hybrid_kv.transport.channel_process import SideChannelProcess
-    from hybrid_kv.transport.side_channel import SideChannelServer
+    from hybrid_kv.transport.channel_server import SideChannelServer
 
     cores = sorted(os.sched_getaffinity(0))
     reserved = candidate == "thread-reserved" and len(cores) > 1
@@ -121,7 +121,8 @@ def _worker(candidate: str, hold_s: float, out: Any) -> None:
 def _measure(address: str, seconds: float, timeout_s: float) -> list[float]:
     import zmq
 
-    from hybrid_kv.transport.side_channel import ChannelError, fetch_reply
+    from hybrid_kv.transport.channel_client import fetch_reply
+    from hybrid_kv.transport.side_channel import ChannelError
 
     ctx: Any = zmq.Context()
     lat: list[float] = []

@@ -34,7 +34,7 @@ from hybrid_kv import HandshakeError, PlanError, handshake_findings, handshake_t
 from hybrid_kv.demo.content import Request, Side  # noqa: E402
 from hybrid_kv.demo.run import DemoConfig, DemoResult, make_requests, run_demo  # noqa: E402
 from hybrid_kv.transport import RequestState, TransferError  # noqa: E402
-from hybrid_kv.transport.side_channel import fetch_meta  # noqa: E402
+from hybrid_kv.transport.channel_client import fetch_reply  # noqa: E402
 
 TENSORS = 3  # the tiny Kimi-Linear pools KDA and MLA layers into 3 tensors
 
@@ -236,7 +236,7 @@ def test_peer_with_incompatible_metadata(decode: DecodeRank) -> None:
 
         ctx = zmq.Context()
         try:
-            payload, _ = fetch_meta(ctx, c.address, 0, "probe", 5.0)
+            payload = fetch_reply(ctx, c.address, 0, "probe", 5.0).payload
         finally:
             ctx.destroy(linger=0)
         findings = handshake_findings(d.rank.payload, payload)

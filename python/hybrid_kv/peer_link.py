@@ -68,7 +68,7 @@ def fetch_replies(
     names: Mapping[int, str] | None = None,
     insecure: bool = False,
 ) -> dict[int, MetaReply]:
-    """Each rank's side-channel reply, fetched once (authenticated; see ``side_channel.fetch_reply``): the
+    """Each rank's side-channel reply, fetched once (authenticated; see ``channel_client.fetch_reply``): the
     public way to get a peer's handshake payload (``reply.payload``) before planning and connecting.
 
     ``secret``: the deployment's secret (``None``: ``HYBRID_KV_SECRET``); ``insecure=True`` fetches from
@@ -86,7 +86,8 @@ def fetch_replies(
     """
     import zmq
 
-    from .transport.side_channel import ChannelError, fetch_reply
+    from .transport.channel_client import fetch_reply
+    from .transport.side_channel import ChannelError
 
     ctx: Any = zmq.Context()
     replies: dict[int, MetaReply] = {}

@@ -15,7 +15,8 @@ import zmq
 from _peers import expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
 
 from hybrid_kv.transport import Endpoint, HandshakeError
-from hybrid_kv.transport.side_channel import ChannelError, fetch_reply
+from hybrid_kv.transport.channel_client import fetch_reply
+from hybrid_kv.transport.side_channel import ChannelError
 
 CATASTROPHIC = re.compile(r"(a+)+$")  # backtracks exponentially; sre holds the GIL throughout
 

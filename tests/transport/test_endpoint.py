@@ -13,7 +13,7 @@ import zmq
 from _peers import BLOCK, BLOCKS, expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
 
 from hybrid_kv.transport import Endpoint, HandshakeError, RequestState, Transfer, TransferError
-from hybrid_kv.transport.side_channel import SideChannelServer
+from hybrid_kv.transport.channel_server import SideChannelServer
 
 ZERO = {"xfer": 0, "zombie_xfer": 0, "local_dlists": 0, "remote_dlists": 0, "remote_agents": 0, "registrations": 0}
 
@@ -127,7 +127,7 @@ def test_a_fetched_reply_is_connected_from_without_fetching_again() -> None:
     """``connect(..., reply=...)``: validate, tables and the loaded agent all come from the one reply the caller
     fetched (and planned from); the peer is not asked again, so a peer that would now serve something else
     (here: refuse) does not change what is connected."""
-    from hybrid_kv.transport.side_channel import fetch_reply
+    from hybrid_kv.transport.channel_client import fetch_reply
 
     src, dst = pattern(1), pattern(2)
     served: list[int] = []

@@ -11,15 +11,9 @@ import pytest
 import zmq
 
 from hybrid_kv.transport import auth, curve
-from hybrid_kv.transport.side_channel import (
-    PROTOCOL,
-    REQUEST_ID_BYTES,
-    ChannelError,
-    SideChannelServer,
-    fetch_meta,
-    fetch_named_meta,
-    send_control,
-)
+from hybrid_kv.transport.channel_client import fetch_named_meta, fetch_reply, send_control
+from hybrid_kv.transport.channel_server import SideChannelServer
+from hybrid_kv.transport.side_channel import PROTOCOL, REQUEST_ID_BYTES, ChannelError
 
 KEY = secrets.token_bytes(32)
 OTHER_KEY = secrets.token_bytes(32)
@@ -63,7 +57,7 @@ def test_meta_and_control_round_trip(
 ) -> None:
     server, owner = served
     assert fetch_named_meta(ctx, server.address, 1, "D", 2.0, key=KEY) == ("P", b"payload-1", b"nixl-md")
-    assert fetch_meta(ctx, server.address, 1, "D", 2.0, secret=KEY, to="P") == (b"payload-1", b"nixl-md")
+    assert fetch_reply(ctx, server.address, 1, "D", 2.0, secret=KEY, to="P") == ("P", b"payload-1", b"nixl-md")
     assert send_control(ctx, server.address, b"\x00blocks", "D", 2.0, key=KEY) == "P"
     assert owner.controls == [("D", b"\x00blocks")]
     with pytest.raises(ChannelError, match="no rank 5"):
@@ -326,7 +320,7 @@ def test_secrets_are_resolved_strictly(ctx: zmq.Context, monkeypatch: pytest.Mon
     assert auth.resolve_secret(None, insecure=True, required=True, what="x") is None
     monkeypatch.delenv(auth.SECRET_ENV)
     with pytest.raises(ChannelError, match="no secret"):
-        fetch_meta(ctx, "tcp://127.0.0.1:1", 0, "D", 0.1)
+        fetch_reply(ctx, "tcp://127.0.0.1:1", 0, "D", 0.1)
 
 
 def test_keys_are_derived_per_deployment_and_need_curve(monkeypatch: pytest.MonkeyPatch) -> None:

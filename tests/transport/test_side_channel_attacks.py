@@ -18,7 +18,8 @@ from _peers import pattern, payload_for, registration, tables, tables_from_paylo
 from _wire import HostileServer, Relay, flood_server, peak_rss_growth, replay
 
 from hybrid_kv.transport import Endpoint, HandshakeError
-from hybrid_kv.transport.side_channel import ChannelError, fetch_reply
+from hybrid_kv.transport.channel_client import fetch_reply
+from hybrid_kv.transport.side_channel import ChannelError
 
 FLOOD = 512 << 20
 """Bytes an attacker floats in one unfinished message (the victim must not buffer them)."""

@@ -234,7 +234,7 @@ def _child() -> None:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     except OSError:
         pass
-    from .side_channel import SideChannelServer
+    from .channel_server import SideChannelServer
 
     payloads = {int(r): bytes.fromhex(p) for r, p in config["payloads"].items()}
     nixl_md = bytes.fromhex(config["nixl_md"])

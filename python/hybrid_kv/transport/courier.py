@@ -35,17 +35,9 @@ from typing import NamedTuple
 import zmq
 
 from . import curve
+from .channel_client import close_client, handshake_failed, open_client
 from .errors import MAX_SECONDS, check_seconds
-from .side_channel import (
-    REQUEST_ID_BYTES,
-    ChannelError,
-    close_client,
-    control_frames,
-    handshake_failed,
-    open_client,
-    parse_reply,
-    reply_request_id,
-)
+from .side_channel import REQUEST_ID_BYTES, ChannelError, control_frames, parse_reply, reply_request_id
 
 __all__ = ["MAX_ATTEMPTS", "MAX_DESTINATIONS", "WINDOW", "Courier", "Delivery"]
 

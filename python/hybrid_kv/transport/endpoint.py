@@ -17,7 +17,9 @@ handshake runs in ``poll()``). NIXL has no transfer timeouts, so every request c
 
 The endpoint wires together ``Agent`` (the NIXL agent and the handles it owns), ``Peers``
 (handshakes and peer state), ``InFlight`` (posting, progress, completion and failure of requests)
-and ``Inbox`` (notifications from peers).
+and ``Inbox`` (notifications from peers). Its methods are grouped by concept: the connections to peers are in
+``endpoint_peers``, the requests in ``endpoint_requests``, the state and lock they share in ``endpoint_base``;
+this module holds its construction, lifecycle, local table scopes and control messages.
 
 Every byte a peer sends is untrusted: side-channel frames are authenticated with the deployment's
 shared secret (``auth``), bounded in size, and bound to the peer's NIXL agent (``peers``); see
@@ -27,11 +29,9 @@ ARCHITECTURE.md, "Threat model / trust boundary".
 from __future__ import annotations
 
 import collections
-import functools
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy.typing as npt
 import zmq
@@ -40,31 +40,21 @@ from ..hugepages import HugePageReport
 from . import netif
 from .agent import CALL_ERRORS, Agent, log
 from .auth import resolve_secret
+from .channel_client import send_control
 from .channel_process import SideChannelProcess
+from .channel_server import SideChannelServer
 from .courier import Courier
+from .endpoint_base import locked
+from .endpoint_peers import PeerConnections
+from .endpoint_requests import RequestMethods
 from .errors import HandshakeError, TransferError, check_seconds
 from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peer, Peers
-from .raw import RawResult, post_raw
-from .requests import ControlMessage, Op, PeerKey, PollResult, RequestHandle, Transfer
-from .side_channel import ChannelError, ChannelTimeout, MetaReply, SideChannelServer, send_control
+from .requests import ControlMessage
+from .side_channel import ChannelError, ChannelTimeout
 
 __all__ = ["MAX_CONTROL_ATTEMPTS", "MAX_QUEUED_CONTROLS", "Endpoint"]
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _locked(fn: Callable[Concatenate[Endpoint, _P], _R]) -> Callable[Concatenate[Endpoint, _P], _R]:
-    """Run an endpoint method under the endpoint's lock (every NIXL call of an agent from one thread at a time)."""
-
-    @functools.wraps(fn)
-    def wrapper(ep: Endpoint, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with ep._lock:
-            return fn(ep, *args, **kwargs)
-
-    return wrapper
 
 
 MAX_QUEUED_CONTROLS = 1024
@@ -74,7 +64,7 @@ MAX_CONTROL_ATTEMPTS = 5
 """Most attempts ``send_control`` makes for one message (the first gets 1/31 of its timeout at this many)."""
 
 
-class Endpoint:
+class Endpoint(PeerConnections, RequestMethods):
     """One side (a prefill or decode rank) of KV transfers: a NIXL agent plus a handshake side channel.
 
     Args:
@@ -219,7 +209,7 @@ class Endpoint:
         """
         return self._agent.strided_supported()
 
-    @_locked
+    @locked
     def handle_counts(self) -> dict[str, int]:
         """Live NIXL objects owned by this endpoint; all zero after ``close()``."""
         remote_dlists, remote_agents = self._peers.counts()
@@ -232,7 +222,7 @@ class Endpoint:
             "registrations": int(self._agent.registered),
         }
 
-    @_locked
+    @locked
     def close(self) -> None:
         """Release everything this endpoint owns (idempotent); live requests are failed and peers told."""
         if self._closed:
@@ -251,7 +241,7 @@ class Endpoint:
 
     # ------------------------------------------------------------------ local table scopes
 
-    @_locked
+    @locked
     def add_local_tables(self, scope: str, tables: Mapping[str, npt.ArrayLike]) -> None:
         """Prep ``tables`` (``{key: (N, 5) or (N, 3) uint64 table}``) as the named scope ``scope``, against the
         memory registered at creation (nothing is registered again).
@@ -273,7 +263,7 @@ class Endpoint:
                 raise ValueError(f"endpoint {self.name!r}: {exc}") from exc
             raise TransferError(f"endpoint {self.name!r}: NIXL refused a table of scope {scope!r}: {exc}") from exc
 
-    @_locked
+    @locked
     def remove_local_tables(self, scope: str) -> None:
         """Release the named scope's prepped tables (unknown scopes are ignored).
 
@@ -289,150 +279,12 @@ class Endpoint:
             )
         self._agent.remove_scope(scope)
 
-    @_locked
+    @locked
     def local_scopes(self) -> list[str]:
         """The named local table scopes, sorted."""
         return sorted(self._agent.scopes)
 
     # ------------------------------------------------------------------ handshake
-
-    @_locked
-    def begin_connect(
-        self,
-        peer: PeerKey,
-        address: str,
-        tables: Callable[[bytes], Mapping[str, npt.ArrayLike]],
-        *,
-        rank: int = 0,
-        validate: Callable[[bytes], object] | None = None,
-        timeout_s: float = 5.0,
-        expected_payload: bytes | None = None,
-        expected_name: str | None = None,
-        reply: MetaReply | None = None,
-        local_scope: str | None = None,
-    ) -> None:
-        """Start connecting to ``peer`` in the background; requests posted to it wait for the result.
-
-        Args:
-            peer: the key transfers will use for this peer (e.g. its rank).
-            address: the peer endpoint's side-channel address.
-            tables: ``payload -> {key: table}``: the peer's descriptor tables (the planner's remote
-                tables), prepped against the peer's agent.
-            rank: which rank's metadata to ask the peer for.
-            validate: called with the peer's payload; any exception rejects the peer.
-            timeout_s: the whole handshake's deadline.
-            expected_payload: if given, the peer must serve exactly these bytes (e.g. the payload a plan
-                was built from in an earlier fetch), else it is refused.
-            expected_name: if given, the peer must be the endpoint of that name (its authenticated
-                side-channel name, which is also its NIXL agent name), else it is refused.
-            reply: the peer's reply already fetched (``side_channel.fetch_reply``, authenticated): the
-                handshake runs from it instead of fetching again, so validate, tables and the loaded agent
-                all see exactly the bytes the caller planned from (one fetch per peer).
-            local_scope: the named local table scope (``add_local_tables``) this peer's transfers post from;
-                ``None``: the endpoint's own tables.
-
-        The peer's side-channel name must equal the name of the NIXL agent its metadata loads, and an
-        agent may be connected under one key only: a second key is refused (naming the first) unless the
-        first is down, whose agent is then unloaded (a restarted peer). A failed handshake fails every
-        request waiting on it. Reconnecting an existing key drops the old connection first (its prepped
-        tables are stale once the remote agent is removed).
-        """
-        self._check_open()
-        timeout_s = check_seconds(timeout_s, "timeout_s")
-        if local_scope is not None and local_scope not in self._agent.scopes:
-            raise ValueError(f"endpoint {self.name!r}: unknown local table scope {local_scope!r}")
-        old = self._peers.pop(peer)
-        if old is not None:
-            self._requests.fail_peer(old.key, f"peer {peer!r} is reconnecting")
-            self._peers.drop(old)
-        self._peers.begin(
-            peer, address, tables, rank, validate, timeout_s, expected_payload, expected_name, reply, local_scope
-        )
-
-    @_locked
-    def connect(
-        self,
-        peer: PeerKey,
-        address: str,
-        tables: Callable[[bytes], Mapping[str, npt.ArrayLike]],
-        *,
-        rank: int = 0,
-        validate: Callable[[bytes], object] | None = None,
-        timeout_s: float = 5.0,
-        expected_payload: bytes | None = None,
-        expected_name: str | None = None,
-        reply: MetaReply | None = None,
-        local_scope: str | None = None,
-    ) -> bytes:
-        """Connect to ``peer`` and wait (driving progress) until ready; returns the peer's payload.
-
-        Arguments as ``begin_connect``.
-
-        Raises:
-            HandshakeError: timeout, protocol mismatch, failed authentication (``peer at ADDR failed
-                authentication``), the peer's error, a rejected or unexpected payload or name, an agent
-                already connected under another key, or NIXL refusing the peer's metadata or tables. Its
-                ``findings`` attribute lists what ``validate`` found, as ``(check, local, remote, detail)``,
-                when that rejected the payload with a ``HandshakeError`` (``validate_handshake`` does); it is
-                empty otherwise.
-        """
-        self.begin_connect(
-            peer,
-            address,
-            tables,
-            rank=rank,
-            validate=validate,
-            timeout_s=timeout_s,
-            expected_payload=expected_payload,
-            expected_name=expected_name,
-            reply=reply,
-            local_scope=local_scope,
-        )
-        state = self._peers[peer]
-        while state.state == "connecting":
-            if state.thread is not None:
-                state.thread.join(0.002)
-            self._progress()
-        if state.state == "down":
-            err = HandshakeError(state.reason)
-            err.findings = list(state.findings)  # what validate_handshake found, if that rejected the peer
-            raise err
-        return state.payload
-
-    @_locked
-    def disconnect(self, peer: PeerKey, reason: str = "was disconnected") -> None:
-        """Forget ``peer``: fail its live requests (telling it), release its remote tables and unload its NIXL
-        agent. Nothing else is touched (its local table scope stays until ``remove_local_tables``). Unknown
-        peers are ignored."""
-        self._check_open()
-        old = self._peers.pop(peer)
-        if old is not None:
-            self._requests.fail_peer(old.key, f"peer {peer!r} {reason}")
-            self._peers.drop(old)
-
-    @_locked
-    def peer_state(self, peer: PeerKey) -> tuple[str, str]:
-        """``(state, reason)`` of ``peer``: state is ``connecting``, ``ready`` or ``down``."""
-        state = self._peers.get(peer)
-        if state is None:
-            return ("unknown", f"peer {peer!r} was never connected")
-        return (state.state, state.reason)
-
-    @_locked
-    def remote_agent(self, peer: PeerKey) -> str | None:
-        """The NIXL agent name of a connected peer (senders in ``PollResult`` use these names)."""
-        state = self._peers.get(peer)
-        return None if state is None else state.agent_name
-
-    @_locked
-    def peer_of(self, agent_name: str) -> PeerKey | None:
-        """The key of the peer connected to agent ``agent_name`` (at most one), or ``None``.
-
-        Use it to check that a ``ControlMessage.sender`` or a notification's sender is the peer a request
-        belongs to.
-        """
-        holder = self._peers.holder(agent_name)
-        return None if holder is None else holder.key
 
     @property
     def courier(self) -> Courier:
@@ -498,134 +350,6 @@ class Endpoint:
 
     # ------------------------------------------------------------------ requests
 
-    @_locked
-    def post(
-        self,
-        request_id: str,
-        transfers: Iterable[Transfer | tuple[Any, ...]],
-        op: Op,
-        deadline_s: float,
-        *,
-        digests: Mapping[PeerKey, int] | None = None,
-        check: Callable[[], str | None] | None = None,
-        stages: Sequence[int] | None = None,
-    ) -> RequestHandle:
-        """Check and post a request: every transfer READs (pull) or WRITEs (push) with one peer.
-
-        Ids are checked against the tables (and descriptor lengths pairwise) before anything is
-        posted. A request to a peer still connecting is queued until its handshake ends.
-
-        Verified transfers (``hybrid_kv.verify``): ``digests`` gives, per peer, this side's digest of the rank
-        pair's moves, carried by every done-notice of the request to that peer (push: the decode compares it
-        with its own); ``check`` is called once every transfer is DONE, and a reason it returns (a digest
-        mismatch) fails the request instead of completing it (pull: this side compares its digest with the
-        peer's). A check that raises fails the request with the exception as the reason.
-
-        ``stages``: one stage index per transfer makes the request *staged*: it is checked now, but a
-        transfer is posted only once ``release`` released its stage. Done-notices are numbered over the whole
-        request, so the peer sees it done once every stage landed; a failure (or the deadline, which runs from
-        now) fails the whole request.
-
-        Raises:
-            TransferError: bad op, duplicate request id, unknown peer or table, peer down, an id out
-                of range (the message names it and the limit), descriptor lengths that differ, or stages that
-                are not one non-negative index per transfer.
-        """
-        self._check_open()
-        deadline_s = check_seconds(deadline_s, "deadline_s")
-        return self._requests.post(request_id, transfers, op, deadline_s, digests, check, stages)
-
-    @_locked
-    def release(self, request_id: str, stages: int) -> bool:
-        """Post the transfers of staged request ``request_id`` whose stage is below ``stages`` (any thread).
-
-        Returns whether the request is a live staged request (``False``: unknown, finished or failed; nothing
-        is posted). A NIXL error fails the request, reported by the next ``poll()`` as any failure.
-        """
-        self._check_open()
-        return self._requests.release(request_id, stages)
-
-    @_locked
-    def cancel(self, request_id: str, reason: str) -> bool:
-        """Fail live request ``request_id`` now, as any failure (its ready peers are told; the next ``poll()``
-        reports it); whether it was live. Transfers already posted may still land: the peer fails it anyway."""
-        self._check_open()
-        return self._requests.cancel(request_id, reason)
-
-    @_locked
-    def post_raw(self, transfers: Sequence[tuple[Transfer, bytes]], op: Op, timeout_s: float = 60.0) -> RawResult:
-        """Measurement only (the NIXL floor): post ``(transfer, tag)`` pairs with bare NIXL calls on the handles
-        this endpoint prepped, and wait for all of them (``transport.raw``). Transfers are not checked: pass
-        only what ``post`` accepted. It moves real bytes.
-
-        Raises:
-            TransferError: an unknown or unready peer or table, or the failure ``raw.post_raw`` reports.
-        """
-        self._check_open()
-        items = []
-        for t, tag in transfers:
-            peer = self._peers.get(t.peer)
-            if peer is None or peer.state != "ready":
-                raise TransferError(f"peer {t.peer!r} is not ready")
-            try:
-                local, remote = self._agent.dlist(peer.scope, t.local_key), peer.dlists[t.remote_key]
-            except KeyError as exc:
-                raise TransferError(f"no table {exc} for peer {t.peer!r}") from None
-            items.append((local, t.local_ids, remote, t.remote_ids, tag))
-        return post_raw(self._agent, items, op, timeout_s)
-
-    @_locked
-    def progress(self) -> None:
-        """Progress posted transfers and the side channel's queue without taking the events (any thread):
-        what happened stays for the next ``poll()``. Transports that move bytes in software (UCX over TCP)
-        move them only while someone progresses the agent."""
-        if not self._closed:
-            self._progress()
-
-    @_locked
-    def expect(
-        self,
-        request_id: str,
-        deadline_s: float,
-        senders: int = 1,
-        *,
-        writers: Iterable[str] | None = None,
-        check: Callable[[dict[str, int | None]], str | None] | None = None,
-    ) -> RequestHandle:
-        """Await a peer-initiated request (push mode: the peer WRITEs into us).
-
-        It completes once ``senders`` distinct peers have each landed all their transfers for
-        ``request_id`` (reported in ``PollResult.done``); it fails on their failure notice or the deadline.
-        ``writers``: the NIXL agent names of exactly the peers that write it (``senders`` is then their
-        number): it completes once each of them landed everything, and only their notices count (anyone
-        else's done- or fail-notices for ``request_id`` are dropped).
-        ``check``: called once all landed with the digest each sender's notices carried (``None``: none;
-        ``inbox.INCONSISTENT``: notices that disagree); a reason it returns fails the request instead.
-        A fail-notice for ``request_id`` (from one of ``writers``, when given) that arrived before this call fails
-        it at once (reported by the next ``poll()``).
-        """
-        self._check_open()
-        deadline_s = check_seconds(deadline_s, "deadline_s")
-        self._requests.ensure_new(request_id)
-        names = None if writers is None else frozenset(writers)
-        if names is None:
-            seen = self._inbox.take_landed(request_id)
-            handle = self._requests.expect(request_id, deadline_s, senders, seen, check)
-        else:
-            seen = self._inbox.expect_from(request_id, names, deadline_s)
-            handle = self._requests.expect(request_id, deadline_s, len(names), seen, check)
-        early = self._inbox.take_failed(request_id, names)
-        if early is not None:  # its fail-notice overtook whatever made us await it
-            self._requests.passive_failed(request_id, *early)
-        return handle
-
-    @_locked
-    def poll(self) -> PollResult:
-        """Progress everything once and return what happened since the last call (never blocks)."""
-        self._check_open()
-        self._progress()
-        return self._requests.take_events()
-
     # ------------------------------------------------------------------ internals
 
     def _progress(self) -> None:
@@ -678,7 +402,3 @@ class Endpoint:
                 f"(limit {MAX_QUEUED_CONTROLS})"
             )
         self._controls.append(ControlMessage(sender, payload))  # deque.append is thread-safe
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError(f"endpoint {self.name!r} is closed")

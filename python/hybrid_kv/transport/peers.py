@@ -25,8 +25,9 @@ import numpy.typing as npt
 import zmq
 
 from .agent import Agent
+from .channel_client import fetch_named_meta
 from .requests import PeerKey
-from .side_channel import MetaReply, fetch_named_meta
+from .side_channel import MetaReply
 from .tables import CheckedTable
 
 __all__ = ["Peer", "Peers"]

@@ -39,33 +39,40 @@ a fresh DEALER socket per call and wait with ``poll``; nothing blocks forever.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from . import curve
-from .auth import resolve_secret
 
 __all__ = [
+    "HANDSHAKE_FAILED_EVENTS",
+    "HANDSHAKE_TIMEOUT_MS",
+    "KIND_CTRL",
+    "KIND_META",
     "MAX_CONTROL_BYTES",
+    "MAX_LOGGED_PEERS",
     "MAX_NAME_BYTES",
+    "MAX_RANK_DIGITS",
+    "MAX_REASON_BYTES",
     "MAX_REPLY_FRAME_BYTES",
     "MAX_REQUEST_FRAME_BYTES",
     "PROTOCOL",
+    "REQUEST_ID_BYTES",
+    "SERVER_RCVHWM",
+    "STATUS_ERR",
+    "STATUS_OK",
+    "TICK_MS",
     "ChannelError",
     "ChannelTimeout",
+    "ControlFn",
+    "MetaFn",
     "MetaReply",
-    "SideChannelServer",
-    "fetch_meta",
-    "fetch_named_meta",
-    "fetch_reply",
-    "send_control",
+    "control_frames",
+    "encode_name",
+    "parse_reply",
+    "reply_request_id",
+    "request_frames",
+    "server_name",
 ]
 
 PROTOCOL = b"hkv-sc/3"
@@ -99,20 +106,28 @@ HANDSHAKE_TIMEOUT_MS = 5000
 REQUEST_ID_BYTES = 16
 """Length of a request's random id (echoed by its reply)."""
 
-_META = b"meta"
-_CTRL = b"ctrl"
-_OK = b"ok"
-_ERR = b"err"
-_TICK_MS = 50  # how often the server thread checks for shutdown
-_MAX_RANK_DIGITS = 9
-_HANDSHAKE_FAILED = (
+KIND_META = b"meta"
+"""A request for one rank's handshake payload and NIXL metadata."""
+KIND_CTRL = b"ctrl"
+"""A request delivering one control payload."""
+STATUS_OK = b"ok"
+STATUS_ERR = b"err"
+
+TICK_MS = 50
+"""How often a waiting thread (the server's, or a client's) checks for shutdown."""
+
+MAX_RANK_DIGITS = 9
+"""The longest rank (ASCII digits) a ``meta`` request may ask for."""
+
+HANDSHAKE_FAILED_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-log = logging.getLogger("hybrid_kv.transport")
+"""The ZeroMQ monitor events of a failed ZMTP (CURVE) handshake."""
 
 MetaFn = Callable[[int], tuple[bytes, bytes]]
+"""The server's ``meta`` callback: ``rank -> (payload, nixl_metadata)``."""
 ControlFn = Callable[[str, bytes], None]
+"""The server's ``ctrl`` callback: ``(sender, payload)``."""
 
 
 class ChannelError(Exception):
@@ -131,328 +146,7 @@ class MetaReply(NamedTuple):
     nixl_md: bytes
 
 
-class _Refused(Exception):
-    """A request the server refuses before it reaches the owner's callbacks."""
-
-
-class SideChannelServer:
-    """Serves ``meta`` and ``ctrl`` requests on ``address`` from one background thread, in its own ZeroMQ context
-    (whose ZAP handler, run by the same thread, admits only the deployment's clients).
-
-    Args:
-        address: a ZeroMQ endpoint to bind, e.g. ``"tcp://127.0.0.1:0"`` (port 0 = any free port).
-        meta: called from the server thread with the requested rank; returns
-            ``(payload, nixl_metadata)``. An exception is sent back to the peer as the reason.
-        on_control: called from the server thread with ``(sender, payload)`` for each authenticated control
-            message; an exception refuses the message and is sent back as the reason.
-        name: this endpoint's name, sent in every reply; requests meant for another name are refused.
-        key: the deployment secret (``None``: no CURVE, unauthenticated and in the clear, both ways).
-
-    Raises:
-        ChannelError: the address cannot be bound, or this libzmq has no CURVE.
-    """
-
-    def __init__(self, address: str, meta: MetaFn, on_control: ControlFn, *, name: str, key: bytes | None) -> None:
-        try:
-            self._keys = curve.derive_keys(key) if key is not None else None
-        except ValueError as exc:
-            raise ChannelError(str(exc)) from None
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._meta = meta
-        self._on_control = on_control
-        self._name = name.encode()
-        self._logged: set[str] = set()
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._bound: str | None = None
-        self._bind_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(address,), name="hkv-side-channel", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10.0):
-            raise ChannelError(f"side channel did not bind {address} within 10 s")
-        if self._bind_error is not None:
-            raise ChannelError(f"cannot bind side channel to {address}: {self._bind_error}") from self._bind_error
-
-    @property
-    def address(self) -> str:
-        """The bound address peers connect to (with the actual port)."""
-        assert self._bound is not None
-        return self._bound
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the server thread, which closes its sockets and its context (idempotent)."""
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    def _run(self, address: str) -> None:
-        sockets: list[zmq.Socket[bytes]] = []
-        try:
-            sock, zap, monitor = self._open(address, sockets)
-        except zmq.ZMQError as exc:
-            self._bind_error = exc
-            self._shut(sockets)
-            self._ready.set()
-            return
-        self._ready.set()
-        poller = zmq.Poller()
-        for s in sockets:
-            poller.register(s, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(_TICK_MS))
-                if zap is not None and zap in ready:
-                    self._admit_peer(zap)
-                if monitor is not None and monitor in ready:
-                    self._log_handshake(monitor)
-                if sock in ready:
-                    frames = sock.recv_multipart(copy=False)
-                    reply = self._handle([f.bytes for f in frames[1:]], _peer_address(frames[0]))
-                    sock.send_multipart([frames[0].bytes, *reply], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # peer vanished mid-send: the owner is shutting down
-        finally:
-            self._shut(sockets)
-
-    def _open(
-        self, address: str, sockets: list[zmq.Socket[bytes]]
-    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, zmq.Socket[bytes] | None]:
-        """The ROUTER (bound), and with CURVE its ZAP handler socket (bound first) and its handshake monitor."""
-        zap = monitor = None
-        if self._keys is not None:
-            zap = self._ctx.socket(zmq.REP)
-            sockets.append(zap)
-            zap.setsockopt(zmq.LINGER, 0)
-            zap.bind(curve.ZAP_ENDPOINT)
-        sock = self._ctx.socket(zmq.ROUTER)
-        sockets.append(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME_BYTES)
-        sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
-        if self._keys is not None:
-            curve.make_server(sock, self._keys)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
-            sockets.append(monitor)
-        sock.bind(address)
-        self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return sock, zap, monitor
-
-    def _shut(self, sockets: list[zmq.Socket[bytes]]) -> None:
-        for s in sockets:
-            s.close(linger=0)
-        self._ctx.term()
-
-    def _admit_peer(self, zap: zmq.Socket[bytes]) -> None:
-        """Answer one ZAP request: admit only the deployment's CURVE client key."""
-        assert self._keys is not None
-        reply, refusal = curve.zap_reply(zap.recv_multipart(), self._keys)
-        zap.send_multipart(reply)
-        if refusal is not None:
-            peer, _, reason = refusal.partition(": ")
-            self._log_refusal(peer, f"a connection from {peer}", reason)
-
-    def _log_handshake(self, monitor: zmq.Socket[bytes]) -> None:
-        """Log a failed CURVE handshake once per protocol error (libzmq does not tell the peer's address)."""
-        event = parse_monitor_message(monitor.recv_multipart())
-        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            return  # refused by the ZAP handler (which logged it, with the address), or the peer hung up
-        value = int(event["value"])
-        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            reason = "it does not speak CURVE (a peer without the secret, or not a hybrid-kv side channel)"
-        else:
-            reason = f"its CURVE handshake failed (protocol error {value:#x}): its HYBRID_KV_SECRET differs"
-        self._log_refusal(f"protocol error {value}", "a connection", reason)
-
-    def _handle(self, frames: list[bytes], peer: str) -> list[bytes]:
-        """The reply to one request (never raises)."""
-        request_id = frames[2][:REQUEST_ID_BYTES] if len(frames) > 2 else b""
-        try:
-            kind, sender, arg = self._admit(frames)
-        except _Refused as exc:
-            self._log_refusal(peer, f"a request from {peer}", str(exc))
-            return self._reply(request_id, _ERR, [str(exc).encode()])
-        try:
-            if kind == _META:
-                payload, nixl_md = self._meta(int(arg))
-                return self._reply(request_id, _OK, [payload, nixl_md])
-            self._on_control(sender, arg)
-            return self._reply(request_id, _OK, [])
-        except Exception as exc:  # the peer gets the reason; the server keeps serving
-            return self._reply(request_id, _ERR, [f"{type(exc).__name__}: {exc}".encode()])
-
-    def _admit(self, frames: list[bytes]) -> tuple[bytes, str, bytes]:
-        """Check a request's shape, limits and destination; returns ``(kind, sender, arg)``."""
-        if not frames or frames[0] != PROTOCOL:
-            seen = frames[0][:32] if frames else b""
-            raise _Refused(f"incompatible side-channel protocol {seen!r}, expected {PROTOCOL!r}")
-        if len(frames) != 6:
-            raise _Refused(f"malformed request: {len(frames)} frames, expected 6")
-        _, kind, request_id, to, sender, arg = frames
-        if len(request_id) != REQUEST_ID_BYTES:
-            raise _Refused(f"malformed request: request id of {len(request_id)} bytes, expected {REQUEST_ID_BYTES}")
-        if len(sender) > MAX_NAME_BYTES or len(to) > MAX_NAME_BYTES:
-            raise _Refused(f"malformed request: an endpoint name longer than {MAX_NAME_BYTES} bytes")
-        if to and to != self._name:
-            raise _Refused(f"request meant for {_shown(to)}, this endpoint is {_shown(self._name)}")
-        if kind == _META:
-            if not (0 < len(arg) <= _MAX_RANK_DIGITS and arg.isdigit()):
-                raise _Refused(f"malformed request: rank must be 1 to {_MAX_RANK_DIGITS} ASCII digits")
-        elif kind == _CTRL:
-            if len(arg) > MAX_CONTROL_BYTES:
-                raise _Refused(f"control payload of {len(arg)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
-        else:
-            raise _Refused(f"unknown request kind {kind[:16]!r}")
-        try:
-            name = sender.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Refused("malformed request: sender name is not UTF-8") from None
-        return kind, name, arg
-
-    def _reply(self, request_id: bytes, status: bytes, body: list[bytes]) -> list[bytes]:
-        if status == _ERR:
-            body = [body[0][:MAX_REASON_BYTES]]
-        return [PROTOCOL, request_id, status, self._name, *body]
-
-    def _log_refusal(self, once: str, what: str, reason: str) -> None:
-        """Log a refusal once per ``once`` (a peer address or a kind of failure; at most ``MAX_LOGGED_PEERS``)."""
-        if once in self._logged or len(self._logged) >= MAX_LOGGED_PEERS:
-            return
-        self._logged.add(once)
-        log.warning("side channel %s refused %s: %s (not logged again)", self._bound, what, reason)
-
-
-def _shown(name: bytes) -> str:
-    return repr(name[:64].decode("utf-8", "replace"))
-
-
-def _peer_address(frame: zmq.Frame) -> str:
-    try:
-        return str(frame.get("Peer-Address"))
-    except zmq.ZMQError:
-        return "unknown peer"
-
-
-def _handshake_failure(event: int, value: int, *, keyed: bool) -> str:
-    """Why a client's ZMTP handshake failed, from its monitor event."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return f"it refused our CURVE key (ZAP status {value}): its HYBRID_KV_SECRET differs"
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        if keyed:
-            return "it does not speak CURVE (no secret, insecure, or not a hybrid-kv side channel)"
-        return "it requires CURVE (the deployment's HYBRID_KV_SECRET) and this side has none (insecure)"
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return f"the CURVE handshake failed (protocol error {value:#x}): its HYBRID_KV_SECRET differs"
-    return "its ZMTP handshake failed (no detail: it hung up, or it does not speak the same security mechanism)"
-
-
-def fetch_named_meta(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    address: str,
-    rank: int,
-    sender: str,
-    timeout_s: float,
-    stop: threading.Event | None = None,
-    *,
-    key: bytes | None,
-    to: str | None = None,
-) -> MetaReply:
-    """Ask the server at ``address`` for rank ``rank``'s metadata; the reply names the serving endpoint.
-
-    ``stop`` aborts the wait early (used when the owner shuts down). ``key`` is the deployment secret
-    (``None``: unauthenticated, in the clear). ``to``: the name of the endpoint meant (it refuses the request
-    if it has another name, and a reply from another name is refused).
-
-    Raises:
-        ChannelError: no reply within ``timeout_s``, a failed handshake or authentication, a protocol mismatch,
-            a limit exceeded, an error from the peer, or ``stop``.
-    """
-    name, body = _call(ctx, address, _META, sender, str(rank).encode("ascii"), timeout_s, stop, key, to)
-    if len(body) != 2:
-        raise ChannelError(f"malformed meta reply from {address}: {len(body)} frames, expected 2")
-    return MetaReply(name, body[0], body[1])
-
-
-def fetch_meta(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    address: str,
-    rank: int,
-    sender: str,
-    timeout_s: float,
-    stop: threading.Event | None = None,
-    *,
-    secret: bytes | str | None = None,
-    to: str | None = None,
-) -> tuple[bytes, bytes]:
-    """Ask the server at ``address`` for rank ``rank``'s ``(payload, nixl_metadata)``.
-
-    The secret is ``secret`` or else ``$HYBRID_KV_SECRET`` (one of them is required).
-
-    Raises:
-        ChannelError: as ``fetch_named_meta``, or no secret.
-    """
-    reply = fetch_reply(ctx, address, rank, sender, timeout_s, stop, secret=secret, to=to)
-    return reply.payload, reply.nixl_md
-
-
-def fetch_reply(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    address: str,
-    rank: int,
-    sender: str,
-    timeout_s: float,
-    stop: threading.Event | None = None,
-    *,
-    secret: bytes | str | None = None,
-    to: str | None = None,
-    insecure: bool = False,
-) -> MetaReply:
-    """Ask the server at ``address`` for rank ``rank``'s whole reply (name, payload, NIXL metadata), as
-    ``fetch_meta`` does; hand it to ``Endpoint.connect(..., reply=...)`` to connect from it without fetching
-    again, so the connection is bound to the very bytes planned from.
-
-    ``secret`` (``None``: ``HYBRID_KV_SECRET``) authenticates the fetch; ``insecure=True`` fetches from an
-    ``Endpoint(insecure=True)`` without one (``secret`` must then be ``None``).
-
-    Raises:
-        ChannelError: as ``fetch_named_meta``, or no secret (and not ``insecure``).
-    """
-    key = _client_key(secret, insecure)
-    return fetch_named_meta(ctx, address, rank, sender, timeout_s, stop, key=key, to=to)
-
-
-def send_control(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    address: str,
-    payload: bytes,
-    sender: str,
-    timeout_s: float,
-    *,
-    key: bytes | None,
-    to: str | None = None,
-) -> str:
-    """Deliver one control payload to the server at ``address``; returns the (authenticated) name that acknowledged it.
-
-    ``to``: the name of the endpoint meant; any other refuses the message before acting on it.
-
-    Raises:
-        ChannelError: a payload over ``MAX_CONTROL_BYTES``, no acknowledgement within ``timeout_s``, a failed
-            handshake or authentication, a protocol mismatch, or an error from the peer (e.g. its queue is full,
-            or it is not ``to``).
-    """
-    if len(payload) > MAX_CONTROL_BYTES:
-        raise ChannelError(f"control payload of {len(payload)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
-    name, _ = _call(ctx, address, _CTRL, sender, payload, timeout_s, None, key, to)
-    return name
-
-
-def _client_key(secret: bytes | str | None, insecure: bool = False) -> bytes | None:
-    try:
-        return resolve_secret(secret, insecure=insecure, required=True, what="side-channel client")
-    except ValueError as exc:
-        raise ChannelError(str(exc)) from None
-
-
-def _server_name(address: str, raw: bytes) -> str:
+def server_name(address: str, raw: bytes) -> str:
     try:
         if 0 < len(raw) <= MAX_NAME_BYTES:
             return raw.decode("utf-8")
@@ -461,46 +155,11 @@ def _server_name(address: str, raw: bytes) -> str:
     raise ChannelError(f"malformed reply from {address}: server name must be 1 to {MAX_NAME_BYTES} bytes of UTF-8")
 
 
-def _encode_name(name: str, what: str) -> bytes:
+def encode_name(name: str, what: str) -> bytes:
     raw = name.encode()
     if len(raw) > MAX_NAME_BYTES:
         raise ChannelError(f"{what} of {len(raw)} bytes exceeds the limit of {MAX_NAME_BYTES}")
     return raw
-
-
-def open_client(
-    ctx: zmq.Context[zmq.Socket[bytes]], address: str, keys: curve.CurveKeys | None, *, refusals: bool = False
-) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-    """A fresh client connection to ``address``: a DEALER (CURVE client when ``keys``) and the monitor that reports
-    a failed handshake at once (``refusals``: also each refused or failed connection attempt, ZeroMQ's
-    ``EVENT_CONNECT_RETRIED``). The caller closes both (``close_client``)."""
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_FRAME_BYTES)
-        if keys is not None:
-            curve.make_client(sock, keys)
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | (zmq.EVENT_CONNECT_RETRIED if refusals else 0))
-    except BaseException:
-        sock.close(linger=0)
-        raise
-    try:
-        sock.connect(address)
-    except BaseException:
-        close_client(sock, monitor)
-        raise
-    return sock, monitor
-
-
-def close_client(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
-    """Close a connection made by ``open_client`` (never raises)."""
-    try:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-    except zmq.ZMQError:
-        pass
-    sock.close(linger=0)
 
 
 def control_frames(request_id: bytes, sender: str, payload: bytes, to: str | None) -> list[bytes]:
@@ -508,24 +167,14 @@ def control_frames(request_id: bytes, sender: str, payload: bytes, to: str | Non
     ``ChannelError``)."""
     if len(payload) > MAX_CONTROL_BYTES:
         raise ChannelError(f"control payload of {len(payload)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
-    return request_frames(_CTRL, request_id, sender, payload, to)
+    return request_frames(KIND_CTRL, request_id, sender, payload, to)
 
 
 def request_frames(kind: bytes, request_id: bytes, sender: str, arg: bytes, to: str | None) -> list[bytes]:
     """The frames of one request (names checked against ``MAX_NAME_BYTES``; raises ``ChannelError``)."""
-    sender_b = _encode_name(sender, "endpoint name")
-    to_b = _encode_name(to, "destination name") if to is not None else b""
+    sender_b = encode_name(sender, "endpoint name")
+    to_b = encode_name(to, "destination name") if to is not None else b""
     return [PROTOCOL, kind, request_id, to_b, sender_b, arg]
-
-
-def handshake_failed(monitor: zmq.Socket[bytes], address: str, *, keyed: bool) -> ChannelError | None:
-    """The error for the failed-handshake event waiting on ``monitor`` (``open_client``'s); ``None`` when the event
-    was a refused connection attempt (``refusals``)."""
-    event = parse_monitor_message(monitor.recv_multipart())
-    if event["event"] == zmq.EVENT_CONNECT_RETRIED:
-        return None
-    why = _handshake_failure(event["event"], int(event["value"]), keyed=keyed)
-    return ChannelError(f"peer at {address} failed authentication: {why}")
 
 
 def reply_request_id(reply: list[bytes]) -> bytes | None:
@@ -541,57 +190,10 @@ def parse_reply(address: str, reply: list[bytes], request_id: bytes, to: str | N
         raise ChannelError(f"incompatible side-channel protocol from {address}: {seen!r}, expected {PROTOCOL!r}")
     if len(reply) < 4 or reply[1] != request_id:
         raise ChannelError(f"malformed reply from {address}: {len(reply)} frames, or another request's id")
-    name = _server_name(address, reply[3])
-    if reply[2] != _OK:
+    name = server_name(address, reply[3])
+    if reply[2] != STATUS_OK:
         reason = reply[4][:MAX_REASON_BYTES].decode("utf-8", "replace") if len(reply) > 4 else "(none)"
         raise ChannelError(f"peer at {address} answered with an error: {reason}")
     if to is not None and name != to:
         raise ChannelError(f"peer at {address} answered as {name!r}, expected {to!r}")
     return name, reply[4:]
-
-
-def _call(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    address: str,
-    kind: bytes,
-    sender: str,
-    arg: bytes,
-    timeout_s: float,
-    stop: threading.Event | None,
-    key: bytes | None,
-    to: str | None,
-) -> tuple[str, list[bytes]]:
-    """One request and its reply over a fresh connection: ``(server name, body)``."""
-    request_id = os.urandom(REQUEST_ID_BYTES)
-    frames = request_frames(kind, request_id, sender, arg, to)
-    try:
-        keys = curve.derive_keys(key) if key is not None else None
-    except ValueError as exc:
-        raise ChannelError(str(exc)) from None
-    deadline = time.monotonic() + timeout_s
-    sock: zmq.Socket[bytes] | None = None
-    monitor: zmq.Socket[bytes] | None = None
-    try:
-        sock, monitor = open_client(ctx, address, keys)
-        sock.send_multipart(frames, zmq.NOBLOCK)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                raise ChannelTimeout(f"no reply from {address} within {timeout_s:g} s")
-            if stop is not None and stop.is_set():
-                raise ChannelError("side-channel call cancelled: endpoint closing")
-            ready = dict(poller.poll(min(left_ms, _TICK_MS)))
-            if monitor in ready:
-                err = handshake_failed(monitor, address, keyed=keys is not None)
-                if err is not None:
-                    raise err
-            if sock in ready:
-                return parse_reply(address, sock.recv_multipart(), request_id, to)
-    except zmq.ZMQError as exc:
-        raise ChannelError(f"side channel to {address} failed: {exc}") from exc
-    finally:
-        if sock is not None:
-            close_client(sock, monitor)
