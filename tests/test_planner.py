@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hybrid_kv
-from hybrid_kv import PeerPlan, PlanError
+from hybrid_kv import HandshakeError, PeerPlan, PlanError
 from hybrid_kv.planner import RankPlanner
 from hybrid_kv.presets import get_preset
 
@@ -90,3 +90,15 @@ def test_rank_planner_counts_come_from_the_plan() -> None:
     transfers = planner.plan(*ids)
     expected = [t.bytes for t in planner.plan_.plan(*ids).transfers]
     assert [planner.transfer_bytes(t) for t in transfers] == expected and all(expected)
+
+
+def test_rank_planner_refuses_an_incompatible_peer_before_planning() -> None:
+    decode, mine = payload(1, 0, 64, "decode")
+    good = payload(2, 0, 128, "prefill")[1]
+    table = hybrid_kv.build_region_table(KIMI.rank_layout(tp=2, rank=1, num_blocks=128))
+    bad = table.handshake_payload({**KIMI.engine_info("prefill", "pull"), "compat_hash": "a" * 64})
+    # The planner alone would accept it: a model mismatch is the handshake's to catch, not the geometry's.
+    assert PeerPlan(decode, [good, bad], "pull").remote_ranks == [0, 1]
+    with pytest.raises(HandshakeError, match="(?s)^peer rank 1: .*compat_hash") as info:
+        RankPlanner(decode, {0: good, 1: bad}, "pull", own_payload=mine)
+    assert [f[0] for f in info.value.findings] == ["compat_hash"]
