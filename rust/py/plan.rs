@@ -406,7 +406,6 @@ impl PyPeerPlan {
                 peer: Arc::clone(&self.inner),
                 remote_rank: t.remote_rank,
                 key: t.local_table,
-                remote_table: t.remote_table,
                 local_ids: t.local_ids.into_pyarray(py).unbind(),
                 remote_ids: t.remote_ids.into_pyarray(py).unbind(),
             };
@@ -426,7 +425,6 @@ pub struct PyRankTransfer {
     peer: Arc<PeerPlan>,
     remote_rank: u32,
     key: TableKey,
-    remote_table: u32,
     local_ids: Py<PyArray1<i32>>,
     remote_ids: Py<PyArray1<i32>>,
 }
@@ -443,12 +441,6 @@ impl PyRankTransfer {
     #[getter]
     fn local_table(&self) -> String {
         self.key.to_string()
-    }
-
-    /// Remote table (the remote rank).
-    #[getter]
-    fn remote_table(&self) -> u32 {
-        self.remote_table
     }
 
     /// Local descriptor ids (contiguous int32).
@@ -531,7 +523,7 @@ impl PyPlan {
         let (l, r) = (t.local_ids.bind(py).readonly(), t.remote_ids.bind(py).readonly());
         let moves = self
             .peer
-            .resolve(t.key, t.remote_table, l.as_slice()?, r.as_slice()?)
+            .resolve(t.key, t.remote_rank, l.as_slice()?, r.as_slice()?)
             .map_err(Error::from)?;
         u64_matrix(py, moves.concat(), 3)
     }

@@ -356,7 +356,7 @@ fn merged_counts(s: &Scenario) -> (usize, usize) {
                 let peer = &dep.peers[rank as usize];
                 let (lt, rt) = (
                     peer.local_table(t.local_table).unwrap(),
-                    peer.remote_table(t.remote_table).unwrap(),
+                    peer.remote_table(t.remote_rank).unwrap(),
                 );
                 nixl_merged(lt, rt, &t.local_ids, &t.remote_ids)
             })

@@ -71,12 +71,10 @@ use super::units::BlockUnits;
 /// One NIXL transfer: pairs of descriptor ids into a local and a remote table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankTransfer {
-    /// Remote TP rank.
+    /// Remote TP rank (its table is the one the remote ids index).
     pub remote_rank: u32,
     /// Local table the local ids index.
     pub local_table: TableKey,
-    /// Remote table the remote ids index (keyed by remote rank).
-    pub remote_table: u32,
     /// Local descriptor ids.
     pub local_ids: Vec<i32>,
     /// Remote descriptor ids (same length; pairs move equal byte counts).
@@ -170,7 +168,6 @@ impl PeerPlan {
             let mut t = spare.pop().unwrap_or(RankTransfer {
                 remote_rank: 0,
                 local_table: TableKey::Whole,
-                remote_table: 0,
                 local_ids: Vec::new(),
                 remote_ids: Vec::new(),
             });
@@ -192,7 +189,6 @@ impl PeerPlan {
             done.push((&route.groups, transfers.len()));
             t.remote_rank = route.remote_rank;
             t.local_table = route.table;
-            t.remote_table = route.remote_rank;
             transfers.push(t);
         }
         out.transfers = transfers;
@@ -240,7 +236,7 @@ impl PeerPlan {
     /// # Errors
     /// `BadTransfer` when a table or id does not exist or a pair's lengths differ.
     pub fn moves(&self, t: &RankTransfer) -> Result<Vec<[u64; 3]>, PlanError> {
-        self.resolve(t.local_table, t.remote_table, &t.local_ids, &t.remote_ids)
+        self.resolve(t.local_table, t.remote_rank, &t.local_ids, &t.remote_ids)
     }
 
     /// Resolve descriptor-id pairs of local table `key` and remote rank `remote_rank` into byte moves

@@ -124,7 +124,6 @@ impl PeerPlan {
                 plan.transfers.push(RankTransfer {
                     remote_rank: route.remote_rank,
                     local_table: route.table,
-                    remote_table: route.remote_rank,
                     local_ids: l.clone(),
                     remote_ids: r.clone(),
                 });
