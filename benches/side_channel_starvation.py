@@ -121,8 +121,8 @@ def _worker(candidate: str, hold_s: float, out: Any) -> None:
 def _measure(address: str, seconds: float, timeout_s: float) -> list[float]:
     import zmq
 
+    from hybrid_kv.errors import ChannelError
     from hybrid_kv.transport.channel_client import fetch_reply
-    from hybrid_kv.transport.side_channel import ChannelError
 
     ctx: Any = zmq.Context()
     lat: list[float] = []

@@ -14,10 +14,9 @@ from hybrid_kv import (
     PlanError,
     RegionTable,
     decode_meta,
-    encode_meta,
     validate_handshake,
 )
-from hybrid_kv._core import PeerPlan, handshake_findings, handshake_target_ranks
+from hybrid_kv._core import PeerPlan, encode_meta, handshake_findings, handshake_target_ranks
 from hybrid_kv.fixtures import F2_PAGE, f2_geometry, f2_sharers
 from hybrid_kv.layout import build_region_table, layer, rank_layout
 

@@ -253,7 +253,8 @@ def test_vllm_style_views_show_their_page_order(order: tuple[int, ...], want: st
 
 
 def test_a_peer_advertising_an_unknown_layout_is_malformed() -> None:
-    from hybrid_kv import HandshakeError, decode_meta, encode_meta
+    from hybrid_kv import HandshakeError, decode_meta
+    from hybrid_kv._core import encode_meta
 
     table, _ = nhd_rank(1, 0, 16, 4)
     meta = decode_meta(table.handshake_payload(info(None)))

@@ -85,9 +85,22 @@ def test_too_small_tensor_names_sizes() -> None:
 
 
 def test_errors_share_one_base_class() -> None:
-    for cls in (hybrid_kv.LayoutError, hybrid_kv.PlanError, hybrid_kv.HandshakeError, hybrid_kv.TransferError):
-        assert issubclass(cls, hybrid_kv.HybridKvError)
+    from hybrid_kv import errors
+
+    for cls in (hybrid_kv.LayoutError, hybrid_kv.PlanError, hybrid_kv.HandshakeError):
         assert cls.__module__ == "hybrid_kv"
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), hybrid_kv.HybridKvError), name
+    arguments = (
+        "LayoutError",
+        "PlanError",
+        "ControlError",
+        "ClaimError",
+        "TicketError",
+        "ConfigError",
+        "ArgumentError",
+    )
+    assert all(issubclass(getattr(errors, name), ValueError) for name in arguments)
 
 
 def test_malformed_layout_json_is_a_layout_error() -> None:

@@ -253,11 +253,11 @@ def test_claim_messages_are_typed_and_bounded() -> None:
         Claim,
         ClaimAnswers,
         ClaimEntry,
-        ClaimError,
         ClaimResult,
         decode_claim_message,
         encode,
     )
+    from hybrid_kv.errors import ClaimError
 
     claim = Claim([ClaimEntry("r-1", b"", "d-1", [[1, 2], [3]], True)], "decode", "h", 1, b"p")
     assert decode_claim_message(encode(claim)) == claim

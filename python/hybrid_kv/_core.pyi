@@ -29,9 +29,6 @@ class HandshakeError(HybridKvError):
     ``PeerPlan(..., own_payload=...)`` or the transport's ``Endpoint.connect`` after a validation raised the
     error; empty for every other handshake error."""
 
-class TransferError(HybridKvError):
-    """A NIXL transfer failed, timed out or was refused (raised by the Python transport)."""
-
 @final
 class RegionTable:
     """The region table of one rank: one region per distinct base address, MLA flags OR-merged."""

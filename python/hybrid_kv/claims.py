@@ -27,6 +27,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from .errors import ClaimError
 from .transport.side_channel import MAX_CONTROL_BYTES
 from .verify import MAX_PAYLOAD_BYTES, Algo, MirrorCache, peer_digest
 from .wire import MAX_TICKET_CHARS, BlockIdLists, Count, Hex64, Host, Limits, Name, Port, RequestId, WallTime, decode
@@ -38,7 +39,6 @@ __all__ = [
     "ClaimAnswers",
     "ClaimBatcher",
     "ClaimEntry",
-    "ClaimError",
     "ClaimResult",
     "decode_claim_message",
     "encode",
@@ -58,10 +58,6 @@ BATCH_BYTES = MAX_CONTROL_BYTES * 3 // 4
 
 Instance = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{0,64}$")]
 SmallGrant = Annotated[bytes, msgspec.Meta(max_length=16)]
-
-
-class ClaimError(ValueError):
-    """Bytes that are not a claim message (the message says why)."""
 
 
 class ClaimEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

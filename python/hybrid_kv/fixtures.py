@@ -15,6 +15,8 @@ from typing import Any
 
 from .layout import Spec
 
+__all__ = ["F2_PAGE", "f2_geometry", "f2_sharers", "kda_spec", "mla_spec"]
+
 _DATA: dict[str, Any] = json.loads(resources.files(__package__).joinpath("fixtures.json").read_text("utf-8"))
 """``fixtures.json`` as loaded (never handed out: callers get copies)."""
 

@@ -14,6 +14,8 @@ from typing import Any
 from ._core import RegionTable
 from .inputs import RankLayout
 
+__all__ = ["Spec", "build_region_table", "layer", "rank_layout"]
+
 Spec = dict[str, Any]
 
 

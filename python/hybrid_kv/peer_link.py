@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ._core import RegionTable, StreamSchedule, handshake_target_ranks
+from .errors import HandshakeError
 from .planner import RankPlanner
-from .transport.errors import HandshakeError
 from .transport.requests import PeerKey, Transfer
 
 if TYPE_CHECKING:
@@ -86,8 +86,8 @@ def fetch_replies(
     """
     import zmq
 
+    from .errors import ChannelError
     from .transport.channel_client import fetch_reply
-    from .transport.side_channel import ChannelError
 
     ctx: Any = zmq.Context()
     replies: dict[int, MetaReply] = {}

@@ -28,6 +28,19 @@ from .limits import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE
 from .model_preset import Preset
 from .presets import get_preset
 
+__all__ = [
+    "DEFAULT_KV_GIB",
+    "MANY_DESCRIPTORS",
+    "MAX_KV_GIB",
+    "MAX_TOKENS",
+    "SMALL_DESCRIPTOR_BYTES",
+    "TINY_KV_GIB",
+    "RankReport",
+    "Report",
+    "pool_blocks",
+    "preflight",
+]
+
 # Heuristics for "descriptor-bound" (UCX posts one work request per descriptor; #55434 measured
 # descriptor posting at 57% of the transfer time with ~112k descriptors per transfer over cuda_ipc).
 SMALL_DESCRIPTOR_BYTES = 64 * 1024

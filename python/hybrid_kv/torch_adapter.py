@@ -15,6 +15,8 @@ from .layout import Spec, build_region_table, layer, rank_layout
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["page_layout", "region_table_from_tensors", "tensor_memory"]
+
 _ATTENTION = ("full_attention", "sliding_window")
 
 

@@ -18,9 +18,8 @@
 //! `LayoutError` and `PlanError` are also `ValueError`s (a layout, ids, a mode are arguments), so a caller that
 //! knows nothing of hybrid-kv catches them as bad arguments; both are made at module init with two bases.
 //!
-//! `TransferError` is defined here so that the hierarchy is one (`hybrid_kv.TransferError` is a
-//! `HybridKvError`), but only the Python transport raises it (`hybrid_kv.transport.TransferError` is its
-//! subclass, carrying the request id and the failed transfers).
+//! The exceptions only the Python layers raise (`TransferError`, ...) derive from `HybridKvError` in
+//! `python/hybrid_kv/errors.py`, so the hierarchy is one.
 // Built without `python` only for `cargo test`, which uses part of it.
 #![cfg_attr(not(feature = "python"), allow(dead_code))]
 
@@ -215,12 +214,6 @@ mod python {
         HybridKvError,
         "A peer's metadata is malformed or incompatible."
     );
-    create_exception!(
-        hybrid_kv,
-        TransferError,
-        HybridKvError,
-        "A NIXL transfer failed, timed out or was refused (raised by the Python transport)."
-    );
 
     /// `hybrid_kv.LayoutError`: a `HybridKvError` and a `ValueError` (a layout is an argument), made at module init.
     static LAYOUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -290,7 +283,6 @@ mod python {
         // Every instance has `findings`: the failed checks where a validation raised it, else none.
         handshake.setattr("findings", PyTuple::empty(py))?;
         m.add("HandshakeError", handshake)?;
-        m.add("TransferError", py.get_type::<TransferError>())?;
         Ok(())
     }
 }

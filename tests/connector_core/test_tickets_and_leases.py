@@ -15,7 +15,7 @@ from tickets_helper import raw_ticket, ticket_fields
 
 from hybrid_kv.claims import ClaimResult
 from hybrid_kv.connector_core import control
-from hybrid_kv.connector_core.config import ConfigError, ConnectorConfig
+from hybrid_kv.connector_core.config import ConnectorConfig
 from hybrid_kv.connector_core.early import EARLY_TTL_S, MAX_EARLY
 from hybrid_kv.connector_core.leases import LeaseBook, renewal_until
 from hybrid_kv.connector_core.params import TransferParams, parse_networks
@@ -25,9 +25,9 @@ from hybrid_kv.connector_core.tickets import (
     TICKET_FIELD,
     SpentTickets,
     Ticket,
-    TicketError,
     TicketKey,
 )
+from hybrid_kv.errors import ConfigError, TicketError
 
 SECRET = b"tickets-test-secret-of-32-bytes!!"
 GRANT = bytes(range(16))

@@ -14,9 +14,9 @@ import pytest
 import zmq
 from _peers import expected_after, pattern, payload_for, pump, registration, tables, tables_from_payload
 
+from hybrid_kv.errors import ChannelError
 from hybrid_kv.transport import Endpoint, HandshakeError
 from hybrid_kv.transport.channel_client import fetch_reply
-from hybrid_kv.transport.side_channel import ChannelError
 
 CATASTROPHIC = re.compile(r"(a+)+$")  # backtracks exponentially; sre holds the GIL throughout
 

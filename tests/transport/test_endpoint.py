@@ -361,11 +361,11 @@ def test_large_expansions_are_logged_once_with_the_advice(
 
 
 def test_transport_errors_join_the_package_hierarchy() -> None:
-    import hybrid_kv
+    import hybrid_kv.errors
     from hybrid_kv.transport import HandshakeError as TransportHandshakeError
     from hybrid_kv.transport import TransferError as TransportTransferError
 
-    assert issubclass(TransportTransferError, hybrid_kv.TransferError)
+    assert TransportTransferError is hybrid_kv.errors.TransferError
     assert issubclass(TransportTransferError, hybrid_kv.HybridKvError)
     assert TransportHandshakeError is hybrid_kv.HandshakeError
 

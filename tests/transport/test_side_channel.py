@@ -10,10 +10,11 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from hybrid_kv.errors import ChannelError
 from hybrid_kv.transport import auth, curve
 from hybrid_kv.transport.channel_client import fetch_named_meta, fetch_reply, send_control
 from hybrid_kv.transport.channel_server import SideChannelServer
-from hybrid_kv.transport.side_channel import PROTOCOL, REQUEST_ID_BYTES, ChannelError
+from hybrid_kv.transport.side_channel import PROTOCOL, REQUEST_ID_BYTES
 
 KEY = secrets.token_bytes(32)
 OTHER_KEY = secrets.token_bytes(32)

@@ -17,9 +17,9 @@ import zmq
 from _peers import pattern, payload_for, registration, tables, tables_from_payload
 from _wire import HostileServer, Relay, flood_server, peak_rss_growth, replay
 
+from hybrid_kv.errors import ChannelError
 from hybrid_kv.transport import Endpoint, HandshakeError
 from hybrid_kv.transport.channel_client import fetch_reply
-from hybrid_kv.transport.side_channel import ChannelError
 
 FLOOD = 512 << 20
 """Bytes an attacker floats in one unfinished message (the victim must not buffer them)."""

@@ -16,8 +16,11 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-from .._core import HybridKvError, __version__
-from ._args import ArgumentError, OneLineParser
+from .._core import __version__
+from ..errors import ArgumentError, CliError, HybridKvError
+from ._args import OneLineParser
+
+__all__ = ["EPILOG", "EXTRA_OF_MODULE", "build_parser", "install_hint", "main", "one_line", "require"]
 
 EPILOG = """examples:
   hybrid-kv demo                         run the default P/D demo and verify every byte
@@ -26,10 +29,6 @@ EPILOG = """examples:
   hybrid-kv check scenario.json          validate every rank pair before launch
   hybrid-kv gpu-kit --out kit.json       the transport on one GPU (or --device cpu), JSON summary
 """
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
 
 
 EXTRA_OF_MODULE = {"torch": "torch", "nixl": "nixl", "zmq": "nixl", "msgspec": "nixl", "cryptography": "nixl"}

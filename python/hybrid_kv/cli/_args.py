@@ -11,19 +11,22 @@ import argparse
 import math
 from collections.abc import Callable
 
+from ..errors import ArgumentError
 from ..limits import MAX_BLOCK_TOKENS as MAX_BLOCK_TOKENS  # the limits live beside the library that checks them
 from ..limits import MAX_NUM_BLOCKS as MAX_NUM_BLOCKS
 from ..limits import MAX_TP_SIZE as MAX_TP_SIZE
 
+__all__ = [
+    "MAX_BLOCK_TOKENS",
+    "MAX_NUM_BLOCKS",
+    "MAX_TP_SIZE",
+    "OneLineParser",
+    "int_in",
+    "positive_float",
+    "positive_int",
+]
+
 _SHOWN_CHARS = 40
-
-
-class ArgumentError(Exception):
-    """A bad command line: printed as one line (``PROG: error: MESSAGE``), exit status 2."""
-
-    def __init__(self, prog: str, message: str) -> None:
-        super().__init__(message)
-        self.prog = prog
 
 
 class OneLineParser(argparse.ArgumentParser):

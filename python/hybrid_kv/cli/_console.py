@@ -8,6 +8,8 @@ from typing import IO
 
 from rich.console import Console
 
+__all__ = ["console", "count"]
+
 
 class _RStripLines:
     """A text stream that writes each complete line without its trailing spaces."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from . import CliError
+from ..errors import CliError
+
+__all__ = ["MAX_SCENARIO_BYTES", "read_scenario"]
 
 MAX_SCENARIO_BYTES = 64 * 2**20
 """Largest scenario accepted (64 MiB: the largest example is a few KiB; a million requests of a few ids fit)."""

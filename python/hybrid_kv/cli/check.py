@@ -13,13 +13,25 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import CliError
 from ..preflight import DEFAULT_KV_GIB, MAX_KV_GIB, MAX_TOKENS, TINY_KV_GIB, Report, preflight
 from ..presets import preset_names
-from . import CliError
 from ._args import MAX_BLOCK_TOKENS, MAX_NUM_BLOCKS, MAX_TP_SIZE, positive_float, positive_int
 from ._console import console as make_console
 from ._console import count
 from ._input import read_scenario
+
+__all__ = [
+    "EXAMPLES",
+    "PRESET_EXAMPLES",
+    "add_preset_arguments",
+    "print_check_report",
+    "print_preset_report",
+    "register",
+    "run",
+    "run_preset",
+    "run_scenario",
+]
 
 PRESET_EXAMPLES = """preset pre-flight examples:
   hybrid-kv check --preset kimi-linear-48b-a3b --prefill-tp 8 --decode-tp 1

@@ -9,10 +9,28 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import CliError, require
+from ..errors import CliError
+from . import require
 from ._args import MAX_BLOCK_TOKENS, int_in, positive_float, positive_int
 from ._console import console as make_console
 from ._console import count
+
+__all__ = [
+    "EXAMPLES",
+    "MAX_DEMO_BATCH_TOKENS",
+    "MAX_DEMO_NUM_BLOCKS",
+    "MAX_DEMO_REQUESTS",
+    "MAX_DEMO_TP",
+    "MAX_SAMPLE_EVERY",
+    "MAX_SEED",
+    "MAX_TIMEOUT_S",
+    "PHASE_NAMES",
+    "cfg_peer",
+    "layout_claims",
+    "phase_table",
+    "register",
+    "run",
+]
 
 MAX_DEMO_TP = 16
 """Largest TP size per engine: the demo starts one process per rank, each with its own torch pools."""

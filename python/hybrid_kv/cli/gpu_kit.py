@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from ._args import int_in, positive_float, positive_int
 
+__all__ = ["EXAMPLES", "MAX_BUDGET_S", "add_arguments", "main", "register", "run"]
+
 MAX_BUDGET_S = 3600.0
 """Longest whole run (one hour)."""
 
@@ -53,10 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import CliError
     from ..kit.config import BOUNDS_S, STEPS, KitConfig
     from ..kit.runner import run_kit
     from ..kit.summary import lines
-    from . import CliError
 
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -104,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_presets(names: Sequence[str]) -> None:
+    from ..errors import CliError
     from ..presets import preset_names
-    from . import CliError
 
     unknown = [n for n in names if n not in preset_names()]
     if unknown:

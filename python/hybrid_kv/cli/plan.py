@@ -9,9 +9,11 @@ from typing import Any
 from rich.table import Table
 
 from .._core import plan_scenario
-from . import CliError
+from ..errors import CliError
 from ._console import console as make_console
 from ._input import read_scenario
+
+__all__ = ["register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ from ..layout import Spec
 from ._args import positive_int
 from ._console import console as make_console
 
+__all__ = ["MAX_REGIONS", "register", "run", "tiny_kimi_layers"]
+
 MAX_REGIONS = 4096
 """Most shared tensors (one small torch tensor and one table region each)."""
 

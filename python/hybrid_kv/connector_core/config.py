@@ -11,11 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SETTINGS", "ConnectorConfig", "ConfigError"]
+from ..errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A connector setting is missing, malformed or unsafe (e.g. advertising ``0.0.0.0`` to peers)."""
+__all__ = ["SETTINGS", "ConnectorConfig"]
 
 
 # key -> (env var, default, meaning)

@@ -39,6 +39,7 @@ from typing import Annotated
 import msgspec
 
 from ..claims import TAG_FIELD, Claim, ClaimAnswers, Instance
+from ..errors import ControlError
 from ..transport.side_channel import MAX_CONTROL_BYTES
 from ..verify import MAX_PAYLOAD_BYTES
 from ..wire import (
@@ -79,10 +80,6 @@ log = logging.getLogger("hybrid_kv.connector_core.control")
 CAP_BYTES = GRANT_BYTES
 """Bytes of a concurrent-push capability (128 random bits, as a grant)."""
 Cap = Annotated[bytes, msgspec.Meta(min_length=CAP_BYTES, max_length=CAP_BYTES)]
-
-
-class ControlError(ValueError):
-    """A control payload that is not one of this connector's messages (the message says why)."""
 
 
 class Release(msgspec.Struct, tag="release", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):

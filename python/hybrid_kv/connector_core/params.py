@@ -37,9 +37,10 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ..errors import TicketError
 from ..limits import MAX_TP_SIZE
 from ..wire import Name
-from .tickets import MAX_TICKET_CHARS, TICKET_FIELD, SpentCaps, SpentTickets, Ticket, TicketError, TicketKey
+from .tickets import MAX_TICKET_CHARS, TICKET_FIELD, SpentCaps, SpentTickets, Ticket, TicketKey
 
 __all__ = [
     "STREAM_FIELD",

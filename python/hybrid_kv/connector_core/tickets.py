@@ -31,6 +31,7 @@ import msgspec
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from ..errors import TicketError
 from ..limits import MAX_TP_SIZE
 from ..wire import (
     MAX_BLOCKS_PER_GROUP,
@@ -78,10 +79,6 @@ expires first is forgotten (never refusing a new one, and never touching the sig
 
 LIMITS = Limits(max_bytes=MAX_TICKET_CHARS, max_len=MAX_BLOCKS_PER_GROUP, max_str=1024, max_depth=3)
 """Pre-scan bounds of a ticket's envelope and body (the deepest: body -> block ids -> group)."""
-
-
-class TicketError(ValueError):
-    """A ticket that is malformed, forged, expired, reused or not meant for this engine (the message says which)."""
 
 
 class Ticket(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

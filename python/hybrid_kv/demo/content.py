@@ -22,6 +22,19 @@ import numpy.typing as npt
 
 from ..model_preset import Geometry, Preset
 
+__all__ = [
+    "U8",
+    "Content",
+    "Request",
+    "Side",
+    "expect_decode",
+    "fill_prefill",
+    "first_mismatch",
+    "kernel_ids",
+    "random_bytes",
+    "region_mismatch",
+]
+
 U8 = npt.NDArray[np.uint8]
 
 

@@ -18,10 +18,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .._core import LayoutError, PlanError, TransferError
+from ..errors import LayoutError, PlanError, TransferError
 from ..presets import get_preset
 from .content import Request, Side
 from .worker import WorkerSpec, memcpy_gbps
+
+__all__ = ["PHASES", "PROGRESS", "DemoConfig", "DemoResult", "Event", "make_requests", "process_context", "run_demo"]
 
 Event = Callable[[str, dict[str, Any]], None]
 

@@ -27,6 +27,8 @@ from ..claims import ClaimEntry, claim_digests, serve_claims
 from ..verify import VerifyPolicy, initiator_digests, pull_check, push_check
 from .content import Content, Request, Side, expect_decode, fill_prefill, random_bytes, region_mismatch
 
+__all__ = ["POLL_SLEEP_S", "WorkerSpec", "main", "memcpy_gbps", "side_of"]
+
 POLL_SLEEP_S = 0.0002
 
 

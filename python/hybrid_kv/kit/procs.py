@@ -12,18 +12,11 @@ import os
 import time
 from typing import Any
 
+from ..errors import RankError
 from . import rank as rank_mod
 from .ucx import PROTO_ENV
 
-__all__ = ["RankError", "RankProcs"]
-
-
-class RankError(RuntimeError):
-    """A rank answered a command with an error (or died); ``detail`` holds its traceback."""
-
-    def __init__(self, message: str, detail: str = "") -> None:
-        super().__init__(message)
-        self.detail = detail
+__all__ = ["RankProcs"]
 
 
 class RankProcs:

@@ -10,7 +10,7 @@ arrays the planner produces.
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import HandshakeError, TransferError
+from ..errors import HandshakeError, TransferError
 from .requests import (
     ControlMessage,
     Op,

@@ -10,6 +10,7 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ..errors import ChannelError, ChannelTimeout
 from . import curve
 from .auth import resolve_secret
 from .side_channel import (
@@ -20,8 +21,6 @@ from .side_channel import (
     MAX_REPLY_FRAME_BYTES,
     REQUEST_ID_BYTES,
     TICK_MS,
-    ChannelError,
-    ChannelTimeout,
     MetaReply,
     parse_reply,
     request_frames,

@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from .side_channel import ChannelError
+from ..errors import ChannelError
 
 __all__ = ["SideChannelProcess"]
 

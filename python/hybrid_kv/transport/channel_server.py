@@ -9,6 +9,7 @@ import threading
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ..errors import ChannelError
 from . import curve
 from .side_channel import (
     HANDSHAKE_FAILED_EVENTS,
@@ -27,7 +28,6 @@ from .side_channel import (
     STATUS_ERR,
     STATUS_OK,
     TICK_MS,
-    ChannelError,
     ControlFn,
     MetaFn,
 )

@@ -34,10 +34,11 @@ from typing import NamedTuple
 
 import zmq
 
+from ..errors import ChannelError
 from . import curve
 from .channel_client import close_client, handshake_failed, open_client
-from .errors import MAX_SECONDS, check_seconds
-from .side_channel import REQUEST_ID_BYTES, ChannelError, control_frames, parse_reply, reply_request_id
+from .seconds import MAX_SECONDS, check_seconds
+from .side_channel import REQUEST_ID_BYTES, control_frames, parse_reply, reply_request_id
 
 __all__ = ["MAX_ATTEMPTS", "MAX_DESTINATIONS", "WINDOW", "Courier", "Delivery"]
 

@@ -36,6 +36,7 @@ from types import TracebackType
 import numpy.typing as npt
 import zmq
 
+from ..errors import ChannelError, ChannelTimeout, HandshakeError, TransferError
 from ..hugepages import HugePageReport
 from . import netif
 from .agent import CALL_ERRORS, Agent, log
@@ -47,12 +48,11 @@ from .courier import Courier
 from .endpoint_base import locked
 from .endpoint_peers import PeerConnections
 from .endpoint_requests import RequestMethods
-from .errors import HandshakeError, TransferError, check_seconds
 from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peer, Peers
 from .requests import ControlMessage
-from .side_channel import ChannelError, ChannelTimeout
+from .seconds import check_seconds
 
 __all__ = ["MAX_CONTROL_ATTEMPTS", "MAX_QUEUED_CONTROLS", "Endpoint"]
 

@@ -15,11 +15,11 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import zmq
 
+from ..errors import TransferError
 from .agent import Agent
 from .channel_process import SideChannelProcess
 from .channel_server import SideChannelServer
 from .courier import Courier
-from .errors import TransferError
 from .inbox import Inbox
 from .inflight import InFlight
 from .peers import Peers

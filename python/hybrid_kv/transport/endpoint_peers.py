@@ -7,10 +7,10 @@ from collections.abc import Callable, Mapping
 
 import numpy.typing as npt
 
-from .._core import HandshakeError
+from ..errors import HandshakeError
 from .endpoint_base import EndpointBase, locked
-from .errors import check_seconds
 from .requests import PeerKey
+from .seconds import check_seconds
 from .side_channel import MetaReply
 
 __all__ = ["PeerConnections"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..errors import TransferError
 from .endpoint_base import EndpointBase, locked
-from .errors import TransferError, check_seconds
 from .raw import RawResult, post_raw
 from .requests import Op, PeerKey, PollResult, RequestHandle, Transfer
+from .seconds import check_seconds
 
 __all__ = ["RequestMethods"]
 

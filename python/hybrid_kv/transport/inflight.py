@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import TransferError
 from . import notifications
 from .agent import CALL_ERRORS, DISCONNECT, Agent
-from .errors import TransferError
 from .peers import Peer, Peers
 from .requests import Op, PeerKey, PollResult, RequestHandle, RequestState, Transfer
 from .tables import CheckedTable, check_ids, check_pairs

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import TransferError
 from .agent import CALL_ERRORS, Agent
-from .errors import TransferError
 from .requests import Op
 
 __all__ = ["RawResult", "post_raw"]

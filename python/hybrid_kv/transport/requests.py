@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .errors import TransferError
+from ..errors import TransferError
 
 __all__ = [
     "ControlMessage",

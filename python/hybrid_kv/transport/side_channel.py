@@ -44,6 +44,8 @@ from typing import NamedTuple
 
 import zmq
 
+from ..errors import ChannelError
+
 __all__ = [
     "HANDSHAKE_FAILED_EVENTS",
     "HANDSHAKE_TIMEOUT_MS",
@@ -62,8 +64,6 @@ __all__ = [
     "STATUS_ERR",
     "STATUS_OK",
     "TICK_MS",
-    "ChannelError",
-    "ChannelTimeout",
     "ControlFn",
     "MetaFn",
     "MetaReply",
@@ -128,14 +128,6 @@ MetaFn = Callable[[int], tuple[bytes, bytes]]
 """The server's ``meta`` callback: ``rank -> (payload, nixl_metadata)``."""
 ControlFn = Callable[[str, bytes], None]
 """The server's ``ctrl`` callback: ``(sender, payload)``."""
-
-
-class ChannelError(Exception):
-    """A side-channel call failed (timeout, protocol mismatch, authentication, a limit, or an error from the peer)."""
-
-
-class ChannelTimeout(ChannelError):
-    """No reply within the call's timeout: the request may or may not have reached the server."""
 
 
 class MetaReply(NamedTuple):

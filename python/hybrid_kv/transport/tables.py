@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._core import check_transfer_ids
-from .errors import TransferError
+from ..errors import TransferError
 
 __all__ = ["CheckedTable", "check_ids", "check_pairs", "registration_array"]
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from ..._core import handshake_target_ranks
 from ...demo.run import DemoConfig, make_requests
+from ...errors import RankError
 from ..config import KitConfig
 from ..pattern import MAX_SEED
-from ..procs import RankError, RankProcs
+from ..procs import RankProcs
 from ..rank import RankSpec
 from ..step import Report
 
