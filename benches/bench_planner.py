@@ -33,18 +33,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from planner_bench.e2e import bench_e2e  # noqa: E402
-from planner_bench.planning import bench_planning  # noqa: E402
-from planner_bench.prep import bench_prep  # noqa: E402
-from planner_bench.tables import ALLOC_MODES, bench_tables, bench_tables_pinned, pin_allocator  # noqa: E402
+# planner_bench/ sits beside this script, which Python puts on sys.path
+from planner_bench.e2e import bench_e2e
+from planner_bench.planning import bench_planning
+from planner_bench.prep import bench_prep
+from planner_bench.tables import ALLOC_MODES, bench_tables, bench_tables_pinned, pin_allocator
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
     "tables": bench_tables,

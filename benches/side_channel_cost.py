@@ -16,7 +16,6 @@ import os
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import types
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from other_build import import_package
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +42,7 @@ def load_old(commit: str) -> Any:
         ).stdout
         with open(os.path.join(pkg, f"{name}.py"), "w") as f:
             f.write(src)
-    sys.path.insert(0, os.path.dirname(pkg))
+    import_package(os.path.dirname(pkg), "hkv_sc2")
     return importlib.import_module("hkv_sc2.side_channel")
 
 

@@ -12,16 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent / "transport"))
-
-from _peers import Peer, pump  # noqa: E402  (tests/transport is not a package)
+from _peers import Peer, pump  # tests/transport is on the pytest pythonpath (pyproject.toml)
 
 from hybrid_kv import HandshakeError, PeerPlan, RegionTable, validate_handshake  # noqa: E402
 from hybrid_kv.claims import ClaimEntry, claim_digests, serve_claims  # noqa: E402

@@ -12,16 +12,12 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine import where_they_stood  # noqa: E402 - after the path insert
+from engine import where_they_stood  # pytest puts this conftest's directory on sys.path
 
 
 def _vllm_cpu() -> bool:
