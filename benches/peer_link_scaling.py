@@ -1,4 +1,4 @@
-"""Handshake time, RSS and NIXL agents per added peer engine (#19 item 3): one endpoint per worker vs one per peer.
+"""Handshake time, RSS and NIXL agents per added peer engine: one endpoint per worker vs one per peer.
 
 A decode rank (a tiny Kimi-Linear pool of ``--pool-mib``) links to ``--engines`` prefill engines, each a rank in
 its own process, two ways, side by side in one run:

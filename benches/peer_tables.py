@@ -4,7 +4,7 @@ payload bytes included) plus every table it preps (``local_rows`` of every key, 
 coalesced (the default) and reference (``coalesce=False``), for P8 -> D16 pull and push and P16 -> D8 pull.
 
 This is hybrid-kv alone; ``benches/peer_tables_vs_vllm.py`` runs the same tables side by side with vLLM 0.33.0's
-own ``add_remote_agent`` (#19 item 10). ``--against DIR`` times another build of the extension in the
+own ``add_remote_agent``. ``--against DIR`` times another build of the extension in the
 same process, interleaved round robin: DIR holds a package ``h5old`` with that build's
 ``_core.cpython-*.so`` (its module init is ``PyInit__core``, so it loads beside ``hybrid_kv._core``).
 
@@ -19,10 +19,11 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from other_build import import_package
 
 import hybrid_kv
 from hybrid_kv.presets import get_preset
@@ -69,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     impls: dict[str, Any] = {"this build": hybrid_kv._core}
     if args.against:
-        sys.path.insert(0, args.against)
+        import_package(args.against, "h5old")
         impls["other build"] = importlib.import_module("h5old._core")
     for name, p_tp, d_tp, mode in CASES:
         for coalesce in (True, False):

@@ -1,5 +1,5 @@
 """Per-peer tables side by side with vLLM 0.33.0's own ``add_remote_agent``, DeepSeek-V3 (61 MLA layers x 100,000
-64-token kernel blocks of 73,728 bytes per rank), in one process, interleaved round by round (#19 item 10).
+64-token kernel blocks of 73,728 bytes per rank), in one process, interleaved round by round.
 
 hybrid-kv: ``PeerPlan(local, payloads, mode, coalesce=...)`` (decoding and checking every target rank's payload bytes)
 plus every ``local_rows`` and ``remote_rows``, as ``benches/peer_tables.py`` times it.
@@ -54,6 +54,7 @@ import msgspec
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+from other_build import import_package  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker  # noqa: E402
@@ -253,7 +254,7 @@ def run_once(calls: int, fresh_local: bool, against: str | None) -> dict[str, di
     logging.getLogger("vllm").setLevel(logging.ERROR)
     other = None
     if against:
-        sys.path.insert(0, against)
+        import_package(against, "h5old")
         other = importlib.import_module("h5old._core")
     out: dict[str, dict[str, float]] = {}
     for name, p_tp, d_tp, mode in CASES:

@@ -1,4 +1,4 @@
-"""Side-channel answer latency while the serving worker spins (#19 item 4): where to serve the side channel.
+"""Side-channel answer latency while the serving worker spins: where to serve the side channel.
 
 A vLLM CPU worker that waits for work spins in Python (``shm_broadcast``: read a flag, ``os.sched_yield()``,
 again) on its main thread, which vLLM binds to the first core of its OpenMP set; its OpenMP threads are bound

@@ -1,4 +1,4 @@
-"""Streaming push against whole-request push, side by side in one run (#21).
+"""Streaming push against whole-request push, side by side in one run.
 
 A prefill rank (this process) and a decode rank (a child process), each with its KV pool laid out from a
 preset (real Kimi-Linear-48B-A3B and Qwen3-Next-80B-A3B shapes at TP 1, host memory on huge pages), real NIXL

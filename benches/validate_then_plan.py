@@ -1,5 +1,5 @@
 """Validate and plan from peer payloads: ``validate_handshake`` per payload then ``PeerPlan`` (each call decodes
-the payloads again: the call sequence before issue #13) against ``PeerPlan(..., own_payload=...)``, which
+the payloads again: the call sequence before ``own_payload`` existed) against ``PeerPlan(..., own_payload=...)``, which
 decodes each payload once, validates and plans.
 
 Median of 30 calls. Run: ``python benches/validate_then_plan.py``.

@@ -1,4 +1,4 @@
-"""What ``verify=all`` (#22, ``hybrid_kv.verify``) costs on host memory, side by side in one run.
+"""What ``verify=all`` (``hybrid_kv.verify``) costs on host memory, side by side in one run.
 
 1. Digest throughput: XXH3-64 of a region in Rust (``RegionTable.digest``, one range, and the same bytes cut
    into 64 KiB moves) against one ``np.copyto`` of the same bytes (memcpy), interleaved, medians. The torch

@@ -1,4 +1,4 @@
-"""What a user of the installed wheel sees (#14): ``--version``, one-line errors naming the extra to install
+"""What a user of the installed wheel sees: ``--version``, one-line errors naming the extra to install
 when torch, nixl or zmq is missing, quiet exit on a closed pipe, piped output without trailing spaces, flags
 that only apply to ``--json`` refused without it, counted nouns, merged warnings, and a TP the preset
 refuses reported with both TP sizes.

@@ -1,5 +1,5 @@
 """The handshake's compatibility hash covers the wire-format version and the model factors, never the package
-version: two patch releases speaking the same wire format keep handshaking during a rolling upgrade (#14)."""
+version: two patch releases speaking the same wire format keep handshaking during a rolling upgrade."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def test_a_corrupted_byte_fails_verification_with_exit_1(capsys: pytest.CaptureF
 
 
 def test_phase_timings_add_up_to_the_total_and_every_phase_is_named() -> None:
-    """Issue #14: each phase timed under its own name, the phases plus ``other`` are the total, ``--json`` agrees."""
+    """Each phase timed under its own name, the phases plus ``other`` are the total, ``--json`` agrees."""
     from hybrid_kv.cli.demo import PHASE_NAMES
     from hybrid_kv.demo.run import PHASES
 

@@ -1,5 +1,5 @@
 """``PeerPlan.failed_blocks``: a failed transfer's local descriptor ids back to logical block ids per group, in
-Rust (#19 item 8), checked against the flat table (``local_descs``) and the regions' block geometry in NumPy."""
+Rust, checked against the flat table (``local_descs``) and the regions' block geometry in NumPy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A hostile or broken peer through the Python API (issue #11 items 3, 4, 6, 7): every attack is refused with a
+"""A hostile or broken peer through the Python API: every attack is refused with a
 ``HybridKvError`` subclass naming the value and the limit; none aborts the process or raises ``PanicException``
 (a ``BaseException`` that ``except Exception`` lets through)."""
 

@@ -92,7 +92,7 @@ def test_verification_covers_untouched_bytes(where: str, who: str) -> None:
 
 @pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 2, 1), ("push", 1, 2)])
 def test_verify_fails_only_the_request_whose_bytes_changed_after_landing(mode: str, p_tp: int, d_tp: int) -> None:
-    """#22: decode rank 0 flips one byte of the first request's first block after it landed and before its digest
+    """Decode rank 0 flips one byte of the first request's first block after it landed and before its digest
     (pull: the READ is done; push: the writers' notices arrived): that request alone fails with the mismatch
     named, every other request of every decode rank is verified and byte-exact."""
     res, prefill, decode = demo(p_tp, d_tp, mode, requests=3, corrupt=True, corrupt_at="landed")

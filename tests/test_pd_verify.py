@@ -1,4 +1,4 @@
-"""Verified transfers (#22) between real processes over NIXL: each corruption fails exactly its request.
+"""Verified transfers between real processes over NIXL: each corruption fails exactly its request.
 
 A decode rank (this process) pulls three requests from a tiny Kimi-Linear prefill process with verification:
 it asks the prefill for its digest of the request (the prefill rebuilds the decode's plan from the decode's

@@ -80,7 +80,7 @@ def test_block_ids_may_be_tuples_or_numpy_arrays(peer: PeerPlan) -> None:
 
 def test_list_items_of_any_int_kind_read_alike(peer: PeerPlan) -> None:
     # Exact ints take the binding's direct path, anything else the generic one from that item on.
-    rest = [[3], []]  # F2's groups share tensors: no id in two groups (#20 item 11)
+    rest = [[3], []]  # F2's groups share tensors: no id in two groups
     ref = peer.plan([[0, 1, 2], *rest], [[0, 1, 2], *rest]).transfers[0]
     for mixed in ([0, np.int64(1), 2], [np.int32(0), 1, 2], [0, 1, np.uint8(2)]):
         alt = peer.plan([mixed, *rest], [[0, 1, 2], *rest]).transfers[0]

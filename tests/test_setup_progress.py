@@ -1,4 +1,4 @@
-"""The README's set-up commands show what they do on a first run (issue #14): one line per package pip
+"""The README's set-up commands show what they do on a first run: one line per package pip
 fetches or installs, instead of minutes of silence. Runs ``scripts/env.sh``'s own ``hkv_pip`` function with
 a stand-in ``python`` that prints what pip prints, so no package is downloaded."""
 

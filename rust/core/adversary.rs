@@ -619,7 +619,7 @@ mod tests {
         assert!(!row_inside(&[(100, 200), (300, 400)], &row(150, 10, 200, 2)));
     }
 
-    /// #20 item 10: seeds 2 and 31337 decoded exactly 99,475 of 1,000,000 payloads each. The seed does reach
+    /// Seeds 2 and 31337 once decoded exactly 99,475 of 1,000,000 payloads each. The seed does reach
     /// the mutation phase: their payload streams differ from the first payload on, and so do their decoded
     /// counts at 1k, 10k and 100k payloads (107/102, 971/946, 10,111/9,805 before this change); the equal
     /// 1M counts were a coincidence of two sums of a million draws. Same seed, same stream.

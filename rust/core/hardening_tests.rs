@@ -1,4 +1,4 @@
-//! Regression tests for hostile or broken peers (issue #11): each reproduces one attack on the decoder, the
+//! Regression tests for hostile or broken peers: each reproduces one attack on the decoder, the
 //! validator or `PeerPlan`, and checks it is refused with an error naming the value and the limit, before
 //! anything is allocated for it.
 
@@ -187,7 +187,7 @@ fn duplicate_block_ids_are_refused_naming_the_id() {
 
 #[test]
 fn one_block_id_in_two_groups_sharing_tensors_is_refused_naming_both_groups() {
-    // Before (#20 item 11): Kimi's MLA group and its KDA groups share every HMA tensor, so block 1 in groups 1,
+    // Before this was refused: Kimi's MLA group and its KDA groups share every HMA tensor, so block 1 in groups 1,
     // 2 and 3 was planned as three overlapping destination ranges (pull and push alike).
     for case in cases().into_iter().take(2) {
         let dest = if case.mode == TransferMode::Pull {

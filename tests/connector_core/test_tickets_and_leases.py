@@ -113,7 +113,7 @@ def _enc(value: Any) -> str:
 
 
 def test_victims_blocks_in_an_attackers_ticket_do_not_verify() -> None:
-    """#20 item 2: the attacker's own ticket with the victim's block ids (or request id, item 3) re-encoded
+    """The attacker's own ticket with the victim's block ids (or its request id) re-encoded
     without the key fails the signature; the same with the key (a prefill's own ticket) verifies."""
     key = TicketKey(SECRET)
     mine = key.open(key.issue(_ticket(request_id="attacker", block_ids=[[9]])))
@@ -153,7 +153,7 @@ def test_victims_blocks_in_an_attackers_ticket_do_not_verify() -> None:
 )
 def test_insecure_tickets_with_hostile_fields_are_refused(index: int, value: Any) -> None:
     """Without a secret a ticket is unsigned, so its fields are the client's: each is typed and range-checked
-    (#20 item 1's values, as ticket fields)."""
+    (the hostile plain parameters' values, as ticket fields)."""
     fields = ticket_fields(_ticket())
     fields[index] = value
     with pytest.raises(TicketError):
@@ -199,7 +199,7 @@ HOSTILE_PLAIN_FIELDS = [
 
 @pytest.mark.parametrize("fields", HOSTILE_PLAIN_FIELDS)
 def test_plain_fields_are_never_acted_on(fields: dict[str, Any]) -> None:
-    """#20 item 1's params: without a ticket the request is refused (no exception); beside a valid ticket
+    """Hostile plain parameters: without a ticket the request is refused (no exception); beside a valid ticket
     they are ignored and the ticket's values are used."""
     checker = _checker()
     base = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": "p-0", **fields}
@@ -385,7 +385,7 @@ def _lease(book: LeaseBook, rid: str = "p-0", grant: bytes = GRANT, lease_s: flo
 
 
 def test_release_frees_only_with_the_tickets_grant() -> None:
-    """#20 item 3: a release naming a victim's request without its ticket's grant frees nothing."""
+    """A release naming a victim's request without its ticket's grant frees nothing."""
     book, _ = _book()
     _lease(book)
     reason = say(book, "decode-tp0", control.Release(req="p-0", grant=b"\x00" * 16, consumers=1))
@@ -409,7 +409,7 @@ def test_release_counts_distinct_consumers_of_one_engine() -> None:
 
 
 def test_messages_for_ids_never_leased_are_bounded_and_expire() -> None:
-    """#20 item 7: 20,000 releases and push registrations for ids never leased were kept forever."""
+    """20,000 releases and push registrations for ids never leased were kept forever."""
     book, clock = _book()
     for i in range(10_000):
         say(book, "decode-tp0", control.Release(req=f"x-{i}", grant=GRANT, consumers=1))
@@ -434,7 +434,7 @@ def test_an_early_message_applies_once_its_lease_arrives_and_only_with_its_grant
 
 
 def test_push_registration_bound_to_its_sender_and_engine() -> None:
-    """#20 item 7: the first push registration won without being checked against its sender."""
+    """The first push registration won without being checked against its sender."""
     book, _ = _book()
     _lease(book)
 
@@ -461,7 +461,7 @@ def test_push_registration_bound_to_its_sender_and_engine() -> None:
 
 
 def test_renewal_extends_a_lease_up_to_its_maximum_only_for_the_grant() -> None:
-    """#19 item 4: a decode still connecting renews the lease; bounded by ``max_extension_s``."""
+    """A decode still connecting renews the lease; bounded by ``max_extension_s``."""
     book, clock = _book()
     _lease(book, lease_s=10, ext=15)
     clock.advance(8)

@@ -60,7 +60,7 @@ CONNECTORS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "verify": "all",
         },
     ),
-    # concurrent push with streaming (#21); its prefill loads the connector with one injected fault for requests
+    # concurrent push with streaming; its prefill loads the connector with one injected fault for requests
     # marked "fail-early" (tests/engines/faulty_connector.py: NIXL fails their first stage), the same otherwise
     "hybrid-kv-push-stream": (
         HKV_CONNECTOR,

@@ -5,7 +5,7 @@
 original request, to the decode engine, whose response is the answer. Both requests carry the same
 ``X-Request-Id`` (the example proxy's header), so each engine's request id is derived from it.
 
-``route_concurrent``: concurrent push (hybrid-kv streaming, #21), as Dynamo sends a push request to both
+``route_concurrent``: concurrent push (hybrid-kv streaming), as Dynamo sends a push request to both
 engines at once: one fresh random capability ``hkv_stream`` in both requests, the prefill engine's side channel
 in the decode's; the decode's response is the answer.
 """

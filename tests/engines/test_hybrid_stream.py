@@ -1,4 +1,4 @@
-"""Streaming push (#21) in real engines: the Qwen3-Next-shaped hybrid (GDN linear attention + full attention),
+"""Streaming push in real engines: the Qwen3-Next-shaped hybrid (GDN linear attention + full attention),
 hybrid-kv push with the router sending each request to the decode and the prefill at once (``route_concurrent``,
 one fresh capability per request), with streaming on (``hybrid-kv-push-stream``) and off
 (``hybrid-kv-push-nostream``: the same routing, every request pushed whole after its prefill; a control pair,

@@ -5,7 +5,7 @@ moves GPU memory (cuda_ipc on one machine). Run by ``scripts/gpu-e2e.sh`` in the
 Each case starts a prefill and a decode engine (vLLM's real Scheduler here, one process per TP worker; ranks
 share GPUs round-robin when there are fewer GPUs than ranks), moves Kimi-Linear-shaped requests and checks
 every byte of the decode workers' memory, that the prefill's memory did not change, and that every worker
-registered ``VRAM`` only. ``stream`` cases are push with streaming (#21): the router sends each request to
+registered ``VRAM`` only. ``stream`` cases are push with streaming: the router sends each request to
 both engines at once (``route_concurrent``), the prefill workers run the last prefill forward layer by layer
 on the GPU (each layer's KV copied to the device, then vLLM's ``save_kv_layer`` hook, which records a CUDA
 event the poster thread waits for before posting that layer's stage), and every request must have streamed.
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"
     os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
     os.environ["VLLM_ALLREDUCE_USE_FLASHINFER"] = "0"
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vllm_harness import write_model_dirs
+    from vllm_harness import write_model_dirs  # beside this script, which Python puts on sys.path
 
     print(f"gpu-e2e: {n} CUDA device(s); cases {' '.join(f'{m}:{a}:{b}' for m, a, b in cases)}", flush=True)
     failures = 0

@@ -1,4 +1,4 @@
-"""The handshake's engine facts are read from vLLM, not made up (#19 item 9): ``kv_layout`` is the layout vLLM
+"""The handshake's engine facts are read from vLLM, not made up: ``kv_layout`` is the layout vLLM
 resolved and allocated the caches with, ``attn_backend`` the backends of the registered layers as vLLM's own
 NixlConnector reads them, and the compatibility hash covers the connector's wire version."""
 

@@ -1,5 +1,5 @@
 """Hostile ``kv_transfer_params`` (an API client of the decode server writes them) through vLLM 0.33's real
-Scheduler and, for the end-to-end proof, real workers and NIXL transfers (#20 items 1-3, "Done means").
+Scheduler and, for the end-to-end proof, real workers and NIXL transfers.
 
 - Scheduler only (no workers, fast): every value that used to raise inside ``Scheduler.schedule()``
   (``update_state_after_alloc``) or the abort path (``finish_requests``) now leaves the scheduler running and
@@ -31,7 +31,7 @@ from hybrid_kv.connector_core.tickets import TICKET_FIELD, TicketKey
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-# #20 item 1: each raised out of Scheduler.schedule() or finish_requests() before
+# Each of these raised out of Scheduler.schedule() or finish_requests() before they were checked
 PLAIN = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -122,8 +122,9 @@ def _insecure_hostile() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("insecure", [False, True])
 def test_hostile_params_never_raise_out_of_the_scheduler(model_dirs: dict[str, str], insecure: bool) -> None:
-    """#20 item 1 through vLLM's real Scheduler: ``schedule()`` and the abort path (``finish_requests``) with
-    every value that raised before; each request is handed to the workers as a refusal naming why."""
+    """Hostile plain parameters through vLLM's real Scheduler: ``schedule()`` and the abort path
+    (``finish_requests``) with every value that raised before; each request is handed to the workers as a refusal
+    naming why."""
     from vllm.v1.request import RequestStatus
 
     sched = _scheduler(model_dirs, (("insecure", True),) if insecure else ())  # insecure ignores the secret
@@ -180,7 +181,8 @@ def _checks(p: Engine, d: Engine, index: dict[str, int]) -> list[Any]:
 
 
 def test_hostile_tickets_fail_alone_and_every_other_byte_is_exact(model_dirs: dict[str, str]) -> None:
-    """The "Done means" of #20 for items 1-3 through vLLM's real Scheduler and workers (see the module doc)."""
+    """Hostile tickets through vLLM's real Scheduler and workers: each fails alone, every other byte is exact (see the
+    module doc)."""
     from vllm.v1.engine import FinishReason
 
     p_port, d_port = side_channel_ports(2)

@@ -1,4 +1,4 @@
-"""A first request to a new prefill engine whose handshake outlasts the prefill's lease (#19 item 4): the decode
+"""A first request to a new prefill engine whose handshake outlasts the prefill's lease: the decode
 renews the lease while it connects (``control.Renew``, carrying the ticket's grant, bounded by the ticket's
 ``max_expires_at``), so the request lands byte-exact instead of failing on the expired lease.
 

@@ -1,4 +1,4 @@
-"""Streaming push (#21) with vLLM 0.33's real Scheduler and real NIXL transfers between worker processes: the
+"""Streaming push with vLLM 0.33's real Scheduler and real NIXL transfers between worker processes: the
 router sends each request to the decode and the prefill engine at once with one capability; the prefill
 workers run the request's last prefill forward layer by layer (``EngineSpec.layerwise``: each layer writes its
 KV, then vLLM's ``save_kv_layer`` hook for attention layers) and post each layer's KV as its hook proves it

@@ -1,4 +1,4 @@
-"""Concurrent push's capability against hostile API clients (#21), through vLLM 0.33's real Scheduler and, for
+"""Concurrent push's capability against hostile API clients, through vLLM 0.33's real Scheduler and, for
 the end-to-end proof, real workers and NIXL transfers.
 
 - Scheduler only (fast): a decode request's concurrent-push params (``hkv_stream`` and the prefill address) are

@@ -1,4 +1,4 @@
-"""The side channel served from its own process (#19 item 4): it answers while the worker's main thread holds
+"""The side channel served from its own process: it answers while the worker's main thread holds
 the GIL, forwards control messages to ``poll()``, and goes away with its endpoint."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Registered DRAM is backed by transparent huge pages (issue #15: CMA over 4 KiB pages ran at about half a
+"""Registered DRAM is backed by transparent huge pages (CMA over 4 KiB pages ran at about half a
 memcpy). Checked in the kernel's own accounting (``/proc/self/smaps``), not by timing."""
 
 from __future__ import annotations

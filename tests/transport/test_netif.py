@@ -1,4 +1,4 @@
-"""#19 item 7: which devices ``listen`` restricts UCX to, on fake sysfs trees of Ethernet, RoCE and InfiniBand
+"""Which devices ``listen`` restricts UCX to, on fake sysfs trees of Ethernet, RoCE and InfiniBand
 hosts (the RDMA ports of the listening interface's NIC are kept, so UCX keeps its RDMA transports)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile NIXL notifications (#20 item 6), sent by real NIXL agents in one process: a writer ``P``, a passive
+"""Hostile NIXL notifications, sent by real NIXL agents in one process: a writer ``P``, a passive
 endpoint ``D`` and ``X``, another agent that loaded D's metadata (so NIXL delivers its notices to D). Malformed
 notices never raise out of ``poll()``; a request awaited from named writers completes or fails only by their
 notices; partial done-sets are capped per sender and in total."""
@@ -86,7 +86,7 @@ def test_notices_still_round_trip_and_reasons_are_cut() -> None:
 
 
 def test_hostile_notices_never_raise_out_of_poll(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
-    """#20 item 6: a done-notice with "²" or a 5000-digit index made ``poll()`` raise."""
+    """A done-notice with "²" or a 5000-digit index made ``poll()`` raise."""
     p, d, x = trio
     h = d.expect("push-1", 5.0, writers=["P"])
     hostile = ["hkv:done:²:1:push-1".encode(), b"hkv:done:" + b"9" * 5000 + b":1:push-1", b"hkv:done:0:1:\xff"]
@@ -101,7 +101,7 @@ def test_hostile_notices_never_raise_out_of_poll(trio: tuple[Endpoint, Endpoint,
 
 
 def test_a_passive_request_completes_only_from_its_writers(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
-    """#20 item 6: a forged done-notice from an agent that is not the request's writer completed a push
+    """A forged done-notice from an agent that is not the request's writer completed a push
     request with 0 bytes landed; one that arrived before ``expect`` counts neither."""
     p, d, x = trio
     _send(x, notifications.done_message("early", 0, 1))  # X "lands" a request before D awaits it
@@ -135,7 +135,7 @@ def test_a_fail_notice_that_overtakes_expect_fails_the_request_at_once(
 
 
 def test_a_passive_request_fails_only_from_its_writers(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
-    """#20 item 6: a fail-notice from any agent failed another's request."""
+    """A fail-notice from any agent failed another's request."""
     p, d, x = trio
     h = d.expect("push-1", 5.0, writers=["P"])
     _send(x, notifications.fail_message("push-1", "forged"))
@@ -149,7 +149,7 @@ def test_a_passive_request_fails_only_from_its_writers(trio: tuple[Endpoint, End
 def test_partial_done_sets_are_capped_per_sender(
     trio: tuple[Endpoint, Endpoint, Endpoint], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """#20 item 6: partial done-sets were unbounded (50,000 kept, +147 MiB). A flooding sender fills only its
+    """Partial done-sets were unbounded (50,000 kept, +147 MiB). A flooding sender fills only its
     own share; another sender's requests still complete."""
     monkeypatch.setattr(inbox_mod, "MAX_PARTIAL_PER_SENDER", 64)
     monkeypatch.setattr(inbox_mod, "MAX_PARTIAL", 100)
@@ -171,7 +171,7 @@ def test_partial_done_sets_are_capped_per_sender(
 
 
 def test_a_passive_check_gets_each_writers_digest(trio: tuple[Endpoint, Endpoint, Endpoint]) -> None:
-    """#22: the digest a writer's done-notices carry reaches the passive request's check, which decides; notices
+    """The digest a writer's done-notices carry reaches the passive request's check, which decides; notices
     of one set that disagree give ``INCONSISTENT``; a landed request remembered for a later ``expect`` keeps its
     digest."""
     p, d, x = trio

@@ -1,4 +1,4 @@
-"""One NIXL agent per worker (#19 item 3), one peer link (#19 item 6), bounded handshakes (#20 item 9).
+"""One NIXL agent per worker, one peer link, bounded handshakes.
 
 A decode endpoint links to several prefill engines (real endpoints, real NIXL agents, real READs of Kimi-like
 ranks whose bytes are checked against the logical model): it holds one agent and one registration whatever the
@@ -11,19 +11,15 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 pytest.importorskip("torch")
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from pd_helpers import KimiRank  # noqa: E402
 
@@ -194,7 +190,7 @@ def test_a_scope_in_use_is_not_removed_and_a_failed_link_leaves_nothing(
 
 
 def test_a_silent_peer_is_retried_within_the_deadline() -> None:
-    """A first fetch that times out is tried again while the deadline allows (#19 item 4): the peer process is
+    """A first fetch that times out is tried again while the deadline allows: the peer process is
     stopped (SIGSTOP) through the first attempt and resumed before the second."""
     from _peers import Peer, payload_for
 
@@ -225,7 +221,7 @@ def test_a_silent_peer_is_retried_within_the_deadline() -> None:
 def test_an_unreachable_engine_does_not_delay_another(
     world: tuple[KimiRank, list[Prefill], list[Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """#20 item 9: a ticket naming a host that never answers holds one handshake slot for its timeout; another
+    """A ticket naming a host that never answers holds one handshake slot for its timeout; another
     engine's handshake runs beside it. With the bound at 1 the second waits, and the log says why."""
     decode, prefills, _ = world
     mute = socket.socket()  # a host that accepts the TCP connection and then never says a word

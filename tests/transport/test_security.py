@@ -1,4 +1,4 @@
-"""Issue #11: untrusted peers can neither crash a rank nor touch memory they were not granted.
+"""Untrusted peers can neither crash a rank nor touch memory they were not granted.
 
 Each test reproduces an attack with real endpoints, real NIXL agents and (where a process must die or
 act on its own) real peer processes, then checks that it is refused and that nothing else changed.

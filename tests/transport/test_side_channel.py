@@ -251,7 +251,7 @@ def test_one_sender_cannot_lock_out_the_others(
     ctx: zmq.Context,  # type: ignore[type-arg]
     served: tuple[SideChannelServer, Owner],
 ) -> None:
-    """#20 item 8: 65,546 requests from one secret holder (more than hkv-sc/2 remembered nonces in its window,
+    """65,546 requests from one secret holder (more than hkv-sc/2 remembered nonces in its window,
     after which it refused every peer's requests) leave every other sender served, and the flooder too."""
     server, owner = served
     flood = 65_546

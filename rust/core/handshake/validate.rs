@@ -281,7 +281,8 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, overlapping: bool, add: &mut A
     }
 }
 
-/// Head-split checks for non-MLA attention (E.3 #5 and #11).
+/// Head-split checks for non-MLA attention: heterogeneous TP that splits heads needs one page order on both
+/// sides, and a prefill with more ranks than the decode must not replicate its KV heads.
 fn heads(local: &AgentMeta, remote: &AgentMeta, ratio: Option<i64>, add: &mut Add<'_>) {
     let Some(ratio) = ratio else { return };
     if local.use_mla || !local.groups.contains(&GroupKind::Attention) {
@@ -361,7 +362,7 @@ fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Opti
     Some(units)
 }
 
-/// vLLM PR #49762 (E.3 #12), in common units: hybrid MLA+SSM kernel pages must hold the same bytes per token,
+/// As vLLM's NIXL connector checks, in common units: hybrid MLA+SSM kernel pages must hold the same bytes per token,
 /// i.e. `local block_len / local units == remote block_len / remote units` for every region.
 fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, add: &mut Add<'_>) {
     let l: Vec<u64> = local.regions.iter().map(|r| r.block_len).collect();
@@ -383,8 +384,9 @@ fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ad
     }
 }
 
-/// E.3 #13 in common units: attention regions of models that are not hybrid MLA, REPLICATE versus SPLIT.
-/// vLLM skips SSM hybrids entirely (#14); here only regions that host SSM state are skipped.
+/// Block lengths of the attention regions of models that are not hybrid MLA, in common units, whether the remote
+/// side replicates or splits its KV heads. vLLM skips SSM hybrids entirely; here only regions that host SSM state
+/// are skipped.
 fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ratio: Option<i64>, add: &mut Add<'_>) {
     let Some(ratio) = ratio else { return };
     let k = local.total_num_kv_heads;
