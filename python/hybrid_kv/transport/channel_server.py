@@ -37,8 +37,8 @@ __all__ = ["SideChannelServer"]
 log = logging.getLogger("hybrid_kv.transport")
 
 
-class _Refused(Exception):
-    """A request the server refuses before it reaches the owner's callbacks."""
+class _Refused(ChannelError):
+    """A request the server refuses before it reaches the owner's callbacks (private: it never leaves the server)."""
 
 
 class SideChannelServer:
