@@ -1,4 +1,4 @@
-"""Helpers shared by the transport tests: buffers, hand-built tables, and the peer process.
+"""Helpers shared by the transport tests and pd_helpers: buffers, hand-built tables, and the peer process.
 
 The peer process is started with multiprocessing's spawn context, so everything it runs lives in
 this importable module.

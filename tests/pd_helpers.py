@@ -2,7 +2,7 @@
 decode rank driving a ``hybrid_kv.transport.Endpoint`` with ``hybrid_kv.PeerPlan`` plans.
 
 Rank memory, its content and the expected decode bytes come from the demo (``hybrid_kv.demo.content``), the
-spawn-able peer plumbing (queues, signals, reaping, pumping) from ``tests/transport/_peers.py``. The prefill
+spawn-able peer plumbing (queues, signals, reaping, pumping) from ``tests/_peers.py``. The prefill
 process is started from the demo's forkserver context (torch is imported once, ranks are forked from it).
 Engines here are TP 1 so that a peer engine is one process: the TP matrix itself is covered by the demo runs.
 """
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
-from _peers import Peer, pump  # tests/transport is on the pytest pythonpath (pyproject.toml)
+from _peers import Peer, pump
 
 from hybrid_kv import HandshakeError, PeerPlan, RegionTable, validate_handshake  # noqa: E402
 from hybrid_kv.claims import ClaimEntry, claim_digests, serve_claims  # noqa: E402

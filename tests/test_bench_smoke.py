@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_bench_planner_quick_runs_every_section_and_its_checks(tmp_path: Path) -> None:
     out = tmp_path / "planner.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
@@ -63,6 +66,7 @@ def test_fuzz_decoders_finds_no_defect_in_a_short_run(tmp_path: Path) -> None:
         assert c["refused"] > 0 and c["accepted"] > 0, f"{name}: the mutations never reach both outcomes"
 
 
+@pytest.mark.slow
 def test_nixl_floor_bench_lands_the_same_bytes_on_every_path(tmp_path: Path) -> None:
     """``benches/nixl_floor.py`` on a small batch: hybrid-kv, the endpoint's raw path and a bare NIXL agent post the
     same descriptors between three processes (the bench raises unless the decode's memory after each path has one

@@ -131,6 +131,7 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
 # ---------------------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_the_readme_command_runs_to_a_verified_success(capsys: pytest.CaptureFixture[str]) -> None:
     """``hybrid-kv demo`` with no arguments: tiny Kimi-Linear, prefill TP 2 -> decode TP 1, pull, real NIXL."""
     assert main(["demo"]) == 0
@@ -159,6 +160,7 @@ def test_the_readme_command_runs_to_a_verified_success(capsys: pytest.CaptureFix
     assert re.search(digests, flat), out
 
 
+@pytest.mark.slow
 def test_push_into_more_decode_ranks_of_a_gqa_model_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--preset", "tiny-qwen3-next", "--prefill-tp", "1", "--decode-tp", "2", "--mode", "push"]
     assert main([*argv, "--requests", "4", "--tokens", "300", "--json"]) == 0
@@ -175,12 +177,14 @@ def test_push_into_more_decode_ranks_of_a_gqa_model_json(capsys: pytest.CaptureF
     assert res["bytes_verified"] == decode_ranks * tensors * res["decode"]["num_blocks"] * res["decode"]["page_bytes"]
 
 
+@pytest.mark.slow
 def test_a_corrupted_byte_fails_verification_with_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--requests", "2", "--tokens", "100", "--inject-corruption"]) == 1
     out = capsys.readouterr().out
     assert "FAILED" in out and "1 bytes differ in tensor 0" in out
 
 
+@pytest.mark.slow
 def test_phase_timings_add_up_to_the_total_and_every_phase_is_named() -> None:
     """Each phase timed under its own name, the phases plus ``other`` are the total, ``--json`` agrees."""
     from hybrid_kv.cli.demo import PHASE_NAMES

@@ -36,6 +36,7 @@ def kit(tmp_path: Path, *args: str, timeout: float = 420) -> tuple[subprocess.Co
     return run, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_every_step_passes_with_every_byte_checked(tmp_path: Path) -> None:
     run, summary = kit(tmp_path)
     assert run.returncode == 0, json.dumps({k: v.get("problems") for k, v in summary["steps"].items()}, indent=1)
@@ -79,6 +80,7 @@ def test_dry_run_every_step_passes_with_every_byte_checked(tmp_path: Path) -> No
     assert "every step ok" in run.stdout
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_fails_its_case_and_is_named(tmp_path: Path) -> None:
     """Fault injection: one byte a request moved is flipped on a decode rank before the check, in every case."""
     small = ("--presets", "tiny-kimi-linear", "--requests", "1", "--repeats", "1")

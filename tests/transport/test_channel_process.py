@@ -87,6 +87,7 @@ def _gil_holding_worker(mode: str, hold_s: float, out: Any, holding: Any) -> Non
         CATASTROPHIC.match("a" * n + "b")
 
 
+@pytest.mark.slow
 def test_side_channel_answers_while_the_worker_holds_the_gil() -> None:
     """With the worker's main thread holding the GIL for seconds at a time (and busy processes on every core),
     the side channel in its own process answers every request asked right after a hold began within the

@@ -218,6 +218,7 @@ def test_a_silent_peer_is_retried_within_the_deadline() -> None:
             peer.signal(signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_an_unreachable_engine_does_not_delay_another(
     world: tuple[KimiRank, list[Prefill], list[Any]], caplog: pytest.LogCaptureFixture
 ) -> None:

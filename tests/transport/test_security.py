@@ -200,6 +200,7 @@ print("answered" if sock.poll(3000) else "not answered", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_an_oversize_control_frame_is_dropped_before_it_is_buffered(
     pair: tuple[Endpoint, Endpoint, np.ndarray, np.ndarray],
 ) -> None:
@@ -237,6 +238,7 @@ def test_control_queue_overflow_is_refused_and_logged(
 # ---------------------------------------------------------------------------- 4. a restarted peer
 
 
+@pytest.mark.slow
 def test_a_restarted_peer_replaces_its_dead_agent_under_a_new_key() -> None:
     dst = pattern(100)
     with endpoint("D", dst) as d:

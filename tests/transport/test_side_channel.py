@@ -247,6 +247,7 @@ def test_a_request_meant_for_another_endpoint_is_refused(
     assert owner.controls == [("D", b"release r1")]
 
 
+@pytest.mark.slow
 def test_one_sender_cannot_lock_out_the_others(
     ctx: zmq.Context,  # type: ignore[type-arg]
     served: tuple[SideChannelServer, Owner],
