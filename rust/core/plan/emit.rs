@@ -12,12 +12,14 @@
 //! writes each slot's ids to the stage its pair belongs to, so a request's stages are exactly its ids cut by
 //! (region, group), each id once.
 
+use super::heads::pieces;
 use super::ids::{window_units, IdSpace};
 use super::runs::{chunk_runs, Run, UnitCursor};
 use super::stages::StageMap;
 use super::trim::Window;
 use crate::core::coalesce::ChunkStarts;
 use crate::core::region::GroupKind;
+use crate::core::units::BlockUnits;
 
 /// Id slots of a peer plan, in emission order.
 #[derive(Debug, Clone)]
@@ -30,6 +32,8 @@ pub(crate) struct Slots {
     group_layouts: Vec<Vec<usize>>,
     /// Per group: how many of its slots are coalesced and how many take one id per unit (or state).
     slot_counts: Vec<(usize, usize)>,
+    /// Units cut per head: `(local units, remote units)` per kernel block and the heads of each unit.
+    per_head: Option<((u64, u64), u64)>,
 }
 
 /// One region's attention ids of one group.
@@ -87,6 +91,7 @@ impl Slots {
         (ssm_bases, ssm_regions): (&[(u64, u64)], &[usize]),
         (local, remote): (&IdSpace, &IdSpace),
         chunks: &[Option<(ChunkStarts, ChunkStarts)>],
+        units: BlockUnits,
     ) -> Slots {
         let mut layouts: Vec<(ChunkStarts, ChunkStarts)> = Vec::new();
         let mut group_layouts = vec![Vec::new(); groups.len()];
@@ -147,6 +152,7 @@ impl Slots {
             layouts,
             group_layouts,
             slot_counts,
+            per_head: units.per_head.map(|hp| ((units.local_sub, units.remote_sub), hp)),
         }
     }
 
@@ -186,6 +192,14 @@ impl Slots {
                 } else {
                     Default::default()
                 };
+                if let Some(((l_sub, r_sub), hp)) = self.per_head {
+                    let units = (pieces(&units.0, l_sub, hp), pieces(&units.1, r_sub, hp));
+                    return GroupIds {
+                        len: units.0.len(),
+                        chunked: None,
+                        units,
+                    };
+                }
                 GroupIds { len, chunked, units }
             })
             .collect()
@@ -339,8 +353,9 @@ mod tests {
         let chunks: Vec<_> = chunk_starts.into_iter().map(|c| c.map(|c| (c.clone(), c))).collect();
         let groups = [GroupKind::Attention];
         let region_groups = vec![vec![0], vec![0], vec![0]];
-        let space = IdSpace::new(&counts, 150, 0, 1, 1, 16, 40, &region_groups, &groups);
-        let slots = Slots::new(&groups, &region_groups, (&[], &[]), (&space, &space), &chunks);
+        let space = IdSpace::new(&counts, 150, 0, 1, (1, 1), 16, 40, &region_groups, &groups);
+        let units = BlockUnits::new(16, 16).unwrap();
+        let slots = Slots::new(&groups, &region_groups, (&[], &[]), (&space, &space), &chunks, units);
         assert_eq!(slots.layouts.len(), 2);
         // Runs of 12, 8 and 2 units consecutive on both sides: three 4-unit chunks, one 8 and one 2.
         let lids = vec![(0..20).chain([30, 31]).collect::<Vec<u64>>()];

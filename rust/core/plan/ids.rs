@@ -15,7 +15,8 @@ pub(crate) struct IdSpace {
     pub(crate) region_start: Vec<u64>,
     /// Flat start of every (SSM region, stream), in table order.
     pub(crate) ssm_start: Vec<u64>,
-    /// Common units per logical attention block (`ppl * sub`).
+    /// Common units per logical attention block (`ppl * sub`; each unit is `per_unit` descriptors, one per head
+    /// when cut per head).
     pub(crate) units_per_logical: u64,
     /// Tokens per logical block.
     pub(crate) logical_tokens: u64,
@@ -33,7 +34,7 @@ impl IdSpace {
         num_fa: u64,
         ssm_streams: usize,
         ppl: u64,
-        sub: u64,
+        (sub, per_unit): (u64, u64),
         logical_tokens: u64,
         num_logical: u64,
         region_groups: &[Vec<usize>],
@@ -50,7 +51,7 @@ impl IdSpace {
             .map(|g| {
                 let regions = region_groups.iter().enumerate().filter(|(_, gs)| gs.contains(&g));
                 regions
-                    .map(|(r, _)| counts[r] / (ppl * sub))
+                    .map(|(r, _)| counts[r] / (ppl * sub * per_unit))
                     .fold(num_logical, u64::min)
             })
             .collect();

@@ -27,6 +27,7 @@ mod checks;
 mod emit;
 pub mod error;
 mod failed;
+mod heads;
 mod ids;
 mod key;
 pub mod mirror;
