@@ -2,16 +2,19 @@
 //!
 //! A heads-major kernel page is `[heads, tokens, cell]`: a unit of `u` tokens is one byte range per head, not one
 //! range. So both sides' kernel blocks are cut into `(head, unit)` pieces of `u * cell` bytes, the heads being
-//! those one rank pair exchanges (`hp`, the smaller side's heads per rank): piece `(k, h, j)` of kernel block
-//! `k`, head `h < hp` and unit `j < sub` has id `(k * hp + h) * sub + j` and lies at `k * stride + (first + h) *
-//! head_bytes + j * piece` of the region, where `first` is the first head the pair exchanges on that side. The
-//! side with more heads per rank selects its `hp` heads by `first`: the remote table of a rank reading a slice of
-//! a larger remote page starts at its slice, and the split local table of each remote piece at that piece's
-//! heads, so a request's ids are the same for every route.
+//! those one rank pair exchanges (`hp`, the smaller side's heads per rank). Piece `(k, h, j)` of kernel block
+//! `k < n`, head `h < hp` and unit `j < sub` lies at `k * stride + (first + h) * head_bytes + j * piece` of the
+//! region, where `first` is the first head the pair exchanges on that side, and has id `(h * sub + j) * n + k`:
+//! so a region's pieces are `hp * sub` strided rows of `n` descriptors each, whatever `n`, `first` or the page
+//! padding (ordered by kernel block first, a head slice of a page would need one row per kernel block: 1.2
+//! million rows for 48 layers of 8,192 blocks). The side with more heads per rank selects its `hp` heads by
+//! `first`: the remote table of a rank reading a slice of a larger remote page starts at its slice, and the split
+//! local table of each remote piece at that piece's heads, so a request's ids are the same for every route.
 //!
-//! A request emits its pieces head by head, each head's units in request order: a run of units contiguous on
-//! both sides (inside one kernel block on each) is then a run of consecutive ids, which NIXL merges into one
-//! descriptor. Runs across kernel blocks are never contiguous (the other heads lie between them).
+//! Nothing is coalesced: two units of one head are contiguous on both sides only inside one kernel block on
+//! each, which happens only when neither kernel block divides the other (and then for runs shorter than either
+//! block); with one dividing the other every piece is a whole head of the smaller block, and its neighbour in
+//! token order lies in the next kernel block, past the other heads.
 
 use super::error::{exact_div, PlanError};
 use crate::core::descs::{DescTable, StridedRow};
@@ -30,11 +33,11 @@ pub(super) struct Pages<'a> {
 }
 
 /// The rows of a region's pieces: heads `[first, first + hp)` of every kernel block of `heads` heads, each cut
-/// into `sub` units, in id order (one row when they are evenly spaced, else one row per kernel block).
+/// into `sub` units, in id order (one row per head and unit, one descriptor per kernel block).
 ///
 /// # Errors
 /// `Indivisible` when a page does not split into heads and units evenly, `Mismatch` when the heads asked for
-/// are not on the page, `AddressOverflow` when the first piece's address wraps.
+/// are not on the page, `AddressOverflow` when a piece's address wraps.
 pub(super) fn piece_rows(
     p: Pages<'_>,
     heads: u64,
@@ -60,32 +63,20 @@ pub(super) fn piece_rows(
     let overflow = || PlanError::AddressOverflow {
         what: format!("region {}", p.name),
         addr: p.base,
-        len: first.saturating_mul(head_bytes),
+        len: first.saturating_add(hp).saturating_mul(head_bytes),
     };
-    let addr = first
-        .checked_mul(head_bytes)
-        .and_then(|o| p.base.checked_add(o))
-        .ok_or_else(overflow)?;
-    let row = |addr, stride, count| StridedRow {
-        addr,
-        len: piece,
-        device: p.device,
-        stride,
-        count,
-    };
-    let per_block = hp * sub;
-    if per_block == 1 {
-        return Ok(vec![row(addr, p.block_stride, p.num_blocks)]);
-    }
-    if hp == heads && p.block_stride == p.block_len {
-        return Ok(vec![row(addr, piece, p.num_blocks * per_block)]);
-    }
-    (0..p.num_blocks)
-        .map(|k| {
-            k.checked_mul(p.block_stride)
-                .and_then(|o| addr.checked_add(o))
-                .map(|a| row(a, piece, per_block))
-                .ok_or_else(overflow)
+    (first..first + hp)
+        .flat_map(|h| (0..sub).map(move |j| (h, j)))
+        .map(|(h, j)| {
+            // inside the page: (h, j) < (heads, sub), so the offset is below `block_len`
+            let addr = p.base.checked_add(h * head_bytes + j * piece).ok_or_else(overflow)?;
+            Ok(StridedRow {
+                addr,
+                len: piece,
+                device: p.device,
+                stride: p.block_stride,
+                count: p.num_blocks,
+            })
         })
         .collect()
 }
@@ -127,11 +118,18 @@ pub(super) fn local_piece_table(
     Ok(DescTable::new(rows, num_fa))
 }
 
-/// Piece ids of unit ids `units` (`sub` units per kernel block, in request order), head by head for `hp` heads.
-pub(super) fn pieces(units: &[u64], sub: u64, hp: u64) -> Vec<u64> {
+/// A request's piece ids of one side relative to a region of `blocks` kernel blocks: head by head, each head's
+/// units (`sub` per kernel block, in request order) as `(h * sub + j) * blocks + k`.
+pub(super) fn piece_ids(units: &[u64], sub: u64, hp: u64, blocks: u64) -> Vec<u64> {
     let mut out = Vec::with_capacity(units.len() * hp as usize);
-    for h in 0..hp {
-        out.extend(units.iter().map(|&u| ((u / sub) * hp + h) * sub + u % sub));
+    let first = out.len();
+    out.extend(units.iter().map(|&u| (u % sub) * blocks + u / sub));
+    // head h adds h * sub rows of `blocks` ids to head 0's ids
+    for h in 1..hp {
+        let shift = h * sub * blocks;
+        out.extend_from_within(first..first + units.len());
+        let n = out.len();
+        out[n - units.len()..].iter_mut().for_each(|id| *id += shift);
     }
     out
 }
@@ -145,8 +143,8 @@ mod tests {
         (0..t.len()).map(|i| t.desc(i).unwrap()).collect()
     }
 
-    /// Pieces `(k, h, j)` of a `[4 heads, 4 tokens, 2 bytes]` page at stride 40: every row shape gives the
-    /// addresses of the formula.
+    /// Pieces `(k, h, j)` of a `[4 heads, 4 tokens, 2 bytes]` page at strides 32 and 40: the id `(h * sub + j) *
+    /// 3 + k` of each resolves to the address of the formula.
     #[test]
     fn piece_rows_follow_the_formula() {
         let pages = |stride| Pages {
@@ -162,11 +160,15 @@ mod tests {
                 for sub in [1u64, 2, 4] {
                     let got = flat(&piece_rows(pages(stride), 4, (first, hp), sub).unwrap());
                     let piece = 8 / sub;
-                    let want: Vec<(u64, u64)> = (0..3)
-                        .flat_map(|k| (0..hp).flat_map(move |h| (0..sub).map(move |j| (k, h, j))))
-                        .map(|(k, h, j)| (1000 + k * stride + (first + h) * 8 + j * piece, piece))
-                        .collect();
-                    assert_eq!(got, want, "stride {stride} first {first} hp {hp} sub {sub}");
+                    assert_eq!(got.len() as u64, 3 * hp * sub);
+                    for (k, h, j) in (0..3).flat_map(|k| (0..hp).flat_map(move |h| (0..sub).map(move |j| (k, h, j)))) {
+                        let id = ((h * sub + j) * 3 + k) as usize;
+                        let want = (1000 + k * stride + (first + h) * 8 + j * piece, piece);
+                        assert_eq!(
+                            got[id], want,
+                            "stride {stride} first {first} hp {hp} sub {sub} ({k}, {h}, {j})"
+                        );
+                    }
                 }
             }
         }
@@ -177,9 +179,10 @@ mod tests {
     }
 
     #[test]
-    fn pieces_go_head_by_head() {
-        // Units 4, 5 (kernel block 2) and 1 (block 0), 2 units per block, 2 heads.
-        assert_eq!(pieces(&[4, 5, 1], 2, 2), [8, 9, 1, 10, 11, 3]);
-        assert_eq!(pieces(&[7, 3], 1, 3), [21, 9, 22, 10, 23, 11]);
+    fn piece_ids_go_head_by_head() {
+        // Units 4, 5 (kernel block 2) and 1 (block 0), 2 units per block, 2 heads, a region of 3 blocks: ids
+        // (h * 2 + j) * 3 + k.
+        assert_eq!(piece_ids(&[4, 5, 1], 2, 2, 3), [2, 5, 3, 8, 11, 9]);
+        assert_eq!(piece_ids(&[7, 3], 1, 3, 10), [7, 3, 17, 13, 27, 23]);
     }
 }

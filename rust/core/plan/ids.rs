@@ -13,6 +13,8 @@ pub(crate) const ID_LIMIT: u64 = i32::MAX as u64;
 pub(crate) struct IdSpace {
     /// Flat start of every region's attention descriptors.
     pub(crate) region_start: Vec<u64>,
+    /// Kernel blocks of every region (what per-head piece ids are laid out by).
+    pub(crate) region_blocks: Vec<u64>,
     /// Flat start of every (SSM region, stream), in table order.
     pub(crate) ssm_start: Vec<u64>,
     /// Common units per logical attention block (`ppl * sub`; each unit is `per_unit` descriptors, one per head
@@ -55,8 +57,10 @@ impl IdSpace {
                     .fold(num_logical, u64::min)
             })
             .collect();
+        let region_blocks = counts.iter().map(|c| c / (sub * per_unit)).collect();
         IdSpace {
             region_start,
+            region_blocks,
             ssm_start,
             units_per_logical: ppl * sub,
             logical_tokens,
