@@ -536,10 +536,15 @@ fn oracle_cases() -> u32 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: oracle_cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
-    /// Random deployments of every family, both modes, any TP pair, mixed kernel blocks and prefix hits.
+    /// Random deployments of every family, both modes, any TP pair, mixed kernel blocks and prefix hits; the
+    /// handshake accepts every rank pair the planner plans.
     #[test]
     fn oracle_random_deployments(s in scenario()) {
         simulate(&s);
+        let report = super::scenario::check::check_scenario(&s).unwrap();
+        let findings = report.pairs.iter().flat_map(|p| &p.findings);
+        let other: Vec<_> = findings.filter(|f| f.check != "gqa_replication").collect();
+        prop_assert!(other.is_empty(), "{:?}", other);
     }
 }
 
@@ -716,6 +721,12 @@ fn oracle_heads_major_pages_of_different_block_sizes() {
                         requests: vec![req],
                     };
                     simulate(&s);
+                    // the handshake accepts each pair (prefill ranks replicating heads for fewer decode ranks
+                    // aside: refused whatever the block sizes, though planned byte-exact here)
+                    let report = super::scenario::check::check_scenario(&s).unwrap();
+                    let findings = report.pairs.iter().flat_map(|p| &p.findings);
+                    let other: Vec<_> = findings.filter(|f| f.check != "gqa_replication").collect();
+                    assert!(other.is_empty(), "{other:?}");
                 }
             }
         }

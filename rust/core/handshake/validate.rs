@@ -379,8 +379,6 @@ fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ad
 /// vLLM skips SSM hybrids entirely (#14); here only regions that host SSM state are skipped.
 fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ratio: Option<i64>, add: &mut Add<'_>) {
     let Some(ratio) = ratio else { return };
-    let k = local.total_num_kv_heads;
-    let remote_replicated = u64::from(remote.tp_size) > k;
     let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
     // Remote page bytes expected from `bytes` of local page: rescaled from local to remote units.
     let to_remote = |bytes: u128| {
@@ -394,7 +392,7 @@ fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, rat
             expected.push("ssm".to_string()); // padded state pages: covered by the SSM size checks
             continue;
         }
-        let want = if local.use_mla || remote_replicated || l.is_mla {
+        let want = if local.use_mla || l.is_mla {
             to_remote(u128::from(l.block_len))
         } else {
             // Page bytes scale with the heads per rank (token-major pages cut per token, heads-major per head).
