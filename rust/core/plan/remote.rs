@@ -220,8 +220,8 @@ pub fn remote_table(
     Ok(DescTable::new(rows, num_fa))
 }
 
-/// Bytes per (head, token) must agree on both sides: MLA latents are TP-independent (`heads` 1), GQA cells are
-/// per head.
+/// Bytes per (head, token) must agree on both sides, and each side's kernel page must be exactly its tokens'
+/// cells: MLA latents are TP-independent (`heads` 1), GQA cells are per head.
 fn check_cells(
     local: &RegionTable,
     remote: &AgentMeta,
@@ -231,7 +231,7 @@ fn check_cells(
     let (lk, rk) = (local.geometry.kernel_block_size, remote.kernel_block_size);
     let cell_l = lr.block_len / (lk * hl);
     let cell_r = rr.block_len / (rk * hr);
-    if lr.block_len != cell_l * lk * hl || cell_l != cell_r {
+    if lr.block_len != cell_l * lk * hl || rr.block_len != cell_r * rk * hr || cell_l != cell_r {
         return Err(mismatch(
             format!(
                 "kernel page of region {} (bytes for kernel blocks of local {lk} / remote {rk} tokens, {hl} / {hr} heads per rank)",
