@@ -1,11 +1,13 @@
 """Planning cost of token-granular head slices (token-major pages split between TP sizes: one descriptor per token
-and head slice) next to page-granular ones (heads-major pages: one descriptor per page and head slice), side by
-side in one run.
+and head slice) and head-granular pieces (heads-major pages of different kernel blocks on the two sides: one
+descriptor per head and common unit) next to page-granular ones (heads-major pages of equal kernel blocks: one
+descriptor per page and head slice), side by side in one run.
 
 A GQA model of 48 layers, 8 KV heads of 128 bf16 elements, 16-token pages, 4096 blocks per rank; decode TP 1
-pulls from prefill TP 2 (each prefill rank holds half the heads). For each page order: the ``PeerPlan`` build
+pulls from prefill TP 2 (each prefill rank holds half the heads). For each case: the ``PeerPlan`` build
 (tables, once per peer engine), then ``plan()`` of contiguous and scattered requests of 64, 512 and 2048 blocks,
-coalesced (the default) and reference, with the id pairs each plan posts. Median of the timed calls.
+coalesced (the default) and reference, with the id pairs each plan posts. Median of the timed calls. The
+head-granular case gives the decode 8-token kernel blocks (two per 16-token block) against the prefill's 16.
 Run: ``PYTHONPATH=python python benches/head_slices.py``.
 """
 
@@ -33,7 +35,7 @@ FACTORS = {
 }
 
 
-def rank(order: str, tp: int, r: int, engine: str) -> tuple[hybrid_kv.RegionTable, bytes]:
+def rank(order: str, tp: int, r: int, engine: str, kernel: int = TOKENS) -> tuple[hybrid_kv.RegionTable, bytes]:
     heads = HEADS // tp
     spec = {"type": "full_attention", "num_kv_heads": heads, "head_size": HEAD_DIM, "dtype_bytes": 2}
     page = TOKENS * heads * 2 * HEAD_DIM * 2
@@ -45,7 +47,7 @@ def rank(order: str, tp: int, r: int, engine: str) -> tuple[hybrid_kv.RegionTabl
     layout = rank_layout(
         layers,
         logical_block_size=TOKENS,
-        kernel_block_size=TOKENS,
+        kernel_block_size=kernel,
         num_logical_blocks=BLOCKS,
         tp_rank=r,
         tp_size=tp,
@@ -70,8 +72,13 @@ def median_us(fn: Any, runs: int) -> float:
 
 def main() -> None:
     print(f"GQA {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM}, {TOKENS}-token pages; decode TP 1 <- prefill TP 2")
-    for order in ("HND", "NHD"):
-        decode, own = rank(order, 1, 0, "decode")
+    cases = (
+        ("HND", TOKENS, "page-granular"),
+        ("NHD", TOKENS, "token-granular"),
+        ("HND", TOKENS // 2, "head-granular, decode kernel blocks of 8 tokens"),
+    )
+    for order, kernel, what in cases:
+        decode, own = rank(order, 1, 0, "decode", kernel)
         payloads = [rank(order, 2, r, "prefill")[1] for r in (0, 1)]
         for coalesce in (True, False):
             build = median_us(lambda d=decode, p=payloads, c=coalesce: hybrid_kv.PeerPlan(d, p, "pull", coalesce=c), 5)
@@ -80,7 +87,7 @@ def main() -> None:
             descs = sum(peer.table_descriptors(k) for k in peer.table_keys)
             kind = "coalesced" if coalesce else "reference"
             print(
-                f"{order} ({'page' if order == 'HND' else 'token'}-granular) {kind}: PeerPlan {build / 1e3:8.2f} ms, "
+                f"{order} ({what}) {kind}: PeerPlan {build / 1e3:8.2f} ms, "
                 f"local tables {rows} rows = {descs} descriptors"
             )
             for n in (64, 512, 2048):

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybrid_kv import LayoutError, PeerPlan, PlanError, compat_hash, handshake_target_ranks  # noqa: E402
+from hybrid_kv import LayoutError, PeerPlan, compat_hash, handshake_target_ranks  # noqa: E402
 from hybrid_kv.layout import build_region_table, layer, rank_layout  # noqa: E402
 from hybrid_kv.torch_adapter import region_table_from_tensors  # noqa: E402
 
@@ -187,7 +187,7 @@ def test_token_major_pages_under_a_head_split_are_planned_per_token(p_tp: int, d
 
 def test_token_major_pages_of_different_block_sizes_are_planned_byte_exact() -> None:
     """With the page order known, a token range of an NHD page is one byte range at any head count: decode pages of
-    16 tokens read from prefill pages of 8 tokens, 4 KV heads per rank (refused for heads-major pages)."""
+    16 tokens read from prefill pages of 8 tokens, 4 KV heads per rank."""
     d, dt = nhd_rank(1, 0, 16, 6)
     p, pt = nhd_rank(1, 0, 8, 12)
     dt.zero_()
@@ -211,19 +211,62 @@ def test_token_major_pages_of_different_block_sizes_are_planned_byte_exact() -> 
         p_tok = p_ids[j // 8] * 8 + j % 8
         assert torch.equal(tokens_d[d_tok], tokens_p[p_tok]), j
     assert int(written.sum()) == 32 * 4 * 6 * 2
-    # heads-major pages of several heads per rank still cannot be cut by tokens without a conversion
-    hnd = [
-        region_table_from_tensors(
-            [(NAME, 0, gqa(4), torch.zeros(blocks, 4, tokens, 6, dtype=torch.float16))],
-            logical_block_size=tokens,
-            kernel_block_size=tokens,
-            num_logical_blocks=blocks,
-            total_num_kv_heads=4,
-        )
-        for blocks, tokens in ((6, 16), (12, 8))
-    ]
-    with pytest.raises(PlanError, match="heads-major with 4 \\(local\\) / 4 \\(remote\\) heads per rank"):
-        PeerPlan(hnd[0], [hnd[1].handshake_payload(info("HND", engine="p"))], "pull")
+
+
+def hnd_rank(tp: int, rank: int, tokens: int, blocks: int, seed: int) -> Any:
+    """A rank of heads-major pages ``[blocks, heads, tokens, K|V]`` (4 KV heads in all), its bytes numbered from
+    ``seed`` so that no two ranks hold the same bytes."""
+    heads = 4 // tp
+    t = torch.empty(blocks, heads, tokens, 6, dtype=torch.float16)
+    t.view(torch.uint8).view(-1).copy_((torch.arange(t.numel() * 2) * 7 + seed) % 251)
+    table = region_table_from_tensors(
+        [(NAME, 0, gqa(heads), t)],
+        logical_block_size=tokens,
+        kernel_block_size=tokens,
+        num_logical_blocks=blocks,
+        tp_rank=rank,
+        tp_size=tp,
+        total_num_kv_heads=4,
+    )
+    return table, t
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize(("p_tokens", "d_tokens"), [(8, 16), (16, 8)])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_heads_major_pages_of_different_block_sizes_are_planned_per_head(
+    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: str
+) -> None:
+    """Heads-major pages of 4 (or 2) KV heads per rank with 8- and 16-token kernel blocks on the two sides, at equal
+    TP and under a head split both ways (before: refused, "would need a per-head layout conversion"): every
+    (token, head) cell where it belongs, each destination byte written once."""
+    p_ranks = [hnd_rank(p_tp, r, p_tokens, 96 // p_tokens, 11 + r) for r in range(p_tp)]
+    d_ranks = [hnd_rank(d_tp, r, d_tokens, 96 // d_tokens, 101 + r) for r in range(d_tp)]
+    for _, t in d_ranks:
+        t.zero_()
+    p_ids = [[9, 2, 5, 0], [4, 1]][p_tokens // 16]  # 32 tokens
+    d_ids = [[3, 10, 7, 1], [5, 0]][d_tokens // 16]
+    pay = {
+        side: [tab.handshake_payload(info(None, mode, side)) for tab, _ in ranks]
+        for side, ranks in (("p", p_ranks), ("d", d_ranks))
+    }
+    local_side, remote_side = (d_ranks, p_ranks) if mode == "pull" else (p_ranks, d_ranks)
+    lkey, rkey = ("d", "p") if mode == "pull" else ("p", "d")
+    total = 0
+    for r, (table, tensor) in enumerate(local_side):
+        targets = handshake_target_ranks(r, len(local_side), len(remote_side))
+        plan = PeerPlan(table, [pay[rkey][t] for t in targets], mode, own_payload=pay[lkey][r])
+        ids = ([d_ids], [p_ids]) if mode == "pull" else ([p_ids], [d_ids])
+        written = apply(plan, plan.plan(*ids), tensor, {t: remote_side[t][1] for t in targets}, mode)
+        assert written.max() == 1
+        total += int(written.sum())
+    assert total == 32 * 4 * 6 * 2
+    heads_p, heads_d = 4 // p_tp, 4 // d_tp
+    for j in range(32):
+        for h in range(4):
+            p_cell = p_ranks[h // heads_p][1][p_ids[j // p_tokens], h % heads_p, j % p_tokens]
+            d_cell = d_ranks[h // heads_d][1][d_ids[j // d_tokens], h % heads_d, j % d_tokens]
+            assert torch.equal(p_cell.view(torch.uint8), d_cell.view(torch.uint8)), (j, h)
 
 
 def test_pages_keeping_k_and_v_apart_are_refused() -> None:

@@ -15,7 +15,7 @@
 //! example runs under aborts it.
 
 use super::descs::StridedRow;
-use super::fixtures::{deepseek_v3_like, kimi_linear_like};
+use super::fixtures::{deepseek_v3_like, gqa_heads_major, kimi_linear_like};
 use super::handshake::{decode, encode, findings, Expected};
 use super::layout::RankLayout;
 use super::meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode};
@@ -156,8 +156,9 @@ fn at(mut l: RankLayout, tp: u32, rank: u32, base_shift: u64) -> RankLayout {
 }
 
 /// The valid pairs the campaigns mutate: a Kimi-Linear-shaped hybrid (MLA + KDA in shared tensors) at TP 1
-/// against TP 2 in pull and push, DeepSeek-V3-shaped MLA at TP 1 against TP 2, and DeepSeek-V3-shaped MLA
-/// against padded pages of twice the kernel block (remote rows per block).
+/// against TP 2 in pull and push, DeepSeek-V3-shaped MLA at TP 1 against TP 2, DeepSeek-V3-shaped MLA
+/// against padded pages of twice the kernel block (remote rows per block), and GQA of heads-major pages with
+/// 16-token kernel blocks at TP 1 against 32-token ones at TP 2 (per-head pieces), pulling and pushed into.
 pub fn cases() -> Vec<Case> {
     let mut out = Vec::new();
     for mode in [TransferMode::Pull, TransferMode::Push] {
@@ -200,6 +201,23 @@ pub fn cases() -> Vec<Case> {
         local: RegionTable::build(&deepseek_v3_like(3, 64)).expect("valid"),
         remotes: vec![meta_of(&r, "peer", TransferMode::Pull)],
         mode: TransferMode::Pull,
+    });
+    // Heads-major GQA, kernel 16 at TP 1 (8 heads) against kernel 32 at TP 2 (4 heads each): a pull reading both
+    // halves of its heads, and a push from the TP 2 side's rank 1 into its slice of the TP 1 page.
+    let gqa = |tp: u32, rank: u32, kernel: u64| gqa_heads_major(2, tp, rank, kernel, 24);
+    out.push(Case {
+        name: "gqa heads-major kernel 16 <- kernel 32 tp2",
+        local: RegionTable::build(&gqa(1, 0, 16)).expect("valid"),
+        remotes: (0..2)
+            .map(|r| meta_of(&gqa(2, r, 32), "peer", TransferMode::Pull))
+            .collect(),
+        mode: TransferMode::Pull,
+    });
+    out.push(Case {
+        name: "gqa heads-major kernel 32 tp2 -> kernel 16",
+        local: RegionTable::build(&gqa(2, 1, 32)).expect("valid"),
+        remotes: vec![meta_of(&gqa(1, 0, 16), "peer", TransferMode::Push)],
+        mode: TransferMode::Push,
     });
     out
 }
@@ -598,7 +616,7 @@ mod tests {
             );
             assert_eq!(report.moves_outside, 0, "{}: {report}", case.name);
         }
-        assert_eq!(cases().len(), 4, "every fixture case builds");
+        assert_eq!(cases().len(), 6, "every fixture case builds");
     }
 
     #[test]

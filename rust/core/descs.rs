@@ -234,7 +234,7 @@ impl RegionTable {
     }
 
     /// SSM rows of the local table: per SSM region, per sub-stream, one descriptor per logical block.
-    fn ssm_rows(&self, dev: u64) -> Vec<StridedRow> {
+    pub(crate) fn ssm_rows(&self, dev: u64) -> Vec<StridedRow> {
         let Some(split) = &self.conv_split else {
             return Vec::new();
         };

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use serde::Deserialize;
 
 use super::layout::{LayerInput, LayerMemory, MemType, RankLayout};
-use super::spec::{LayerSpec, MambaKind, MlaSpec, SsmSpec};
+use super::spec::{AttentionSpec, LayerSpec, MambaKind, MlaSpec, SsmSpec};
 
 /// The shared fixture data (`python/hybrid_kv/fixtures.json`), embedded at compile time.
 const FIXTURES_JSON: &str = include_str!("../../python/hybrid_kv/fixtures.json");
@@ -155,6 +155,41 @@ pub fn deepseek_v3_like(regions: u32, num_blocks: u64) -> RankLayout {
         kernel_block_size: 64,
         num_logical_blocks: num_blocks,
         total_num_kv_heads: 1,
+        layers,
+        kv_layout: None,
+    }
+}
+
+/// GQA layout of heads-major pages: `regions` tensors of one attention layer each, 8 KV heads of 8 bf16 K and V
+/// elements shared by `tp` ranks (rank `rank`), logical blocks of 32 tokens in kernel blocks of `kernel` tokens.
+pub fn gqa_heads_major(regions: u32, tp: u32, rank: u32, kernel: u64, num_logical_blocks: u64) -> RankLayout {
+    let heads = 8 / u64::from(tp);
+    let page = 32 * heads * 2 * 8 * 2;
+    let layers = (0..regions)
+        .map(|i| LayerInput {
+            name: format!("model.layers.{i}.self_attn"),
+            group: 0,
+            spec: LayerSpec::FullAttention(AttentionSpec {
+                num_kv_heads: heads,
+                head_size: 8,
+                head_size_v: None,
+                dtype_bytes: 2,
+                page_size_padded: None,
+            }),
+            memory: dense_memory(
+                0x6000_0000_0000 + (u64::from(rank) << 36) + u64::from(i) * (num_logical_blocks * page + (1 << 20)),
+                num_logical_blocks * page,
+                MemType::Vram,
+            ),
+        })
+        .collect();
+    RankLayout {
+        tp_rank: rank,
+        tp_size: tp,
+        logical_block_size: 32,
+        kernel_block_size: kernel,
+        num_logical_blocks,
+        total_num_kv_heads: 8,
         layers,
         kv_layout: None,
     }

@@ -342,3 +342,24 @@ mod shared_ids {
         }
     }
 }
+
+#[test]
+fn a_heads_major_page_a_few_bytes_longer_than_its_cells_is_refused() {
+    // Found by the fuzz campaign: a push into heads-major pages cut per (head, unit) against a remote whose page
+    // claims 8 bytes more than its 16 tokens x 8 heads of 32-byte cells. Its pieces were 513 bytes against the
+    // local 512 (a plan whose pairs differ in length); now the page is refused, naming both sides' bytes.
+    let case = cases()
+        .into_iter()
+        .find(|c| c.name.starts_with("gqa heads-major kernel 32"))
+        .unwrap();
+    let remotes = lie(&case, |m| {
+        m.regions[1].block_len += 8;
+        m.regions[1].block_stride = 1 << 20; // far apart, so that the regions stay apart
+    });
+    let err = PeerPlan::new(&case.local, &remotes, case.mode).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("kernel page of region") && text.contains("local 4096") && text.contains("remote 4104"),
+        "{text}"
+    );
+}

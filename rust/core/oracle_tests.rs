@@ -466,14 +466,9 @@ prop_compose! {
         seed in any::<u64>(),
     ) -> Scenario {
         let (ptp, dtp) = tps;
-        let single_head = |tp: u32| heads <= u64::from(tp);
-        let gqa = matches!(fam, Family::GqaSsm | Family::GqaMamba1 | Family::PureGqa | Family::KvApart);
-        let token_major = layouts.0.is_some_and(|l| l.contains("NH"));
-        // Token-major pages split between TP sizes are cut per token: at most 128 tokens per kernel block, which
-        // the kernels here always are.
-        // Heads-major pages with several heads per rank cannot be cut into token sub-blocks: equal kernels.
-        let cut_ok = token_major || (single_head(ptp) && single_head(dtp));
-        let (pk, dk) = if gqa && !cut_ok { (kernels.0, kernels.0) } else { kernels };
+        // Token-major pages split between TP sizes are cut per token (at most 128 tokens per kernel block, which
+        // the kernels here always are); heads-major pages of several heads per rank per (head, unit).
+        let (pk, dk) = kernels;
         let lbs = |k: u64, tp: u32, extra: u64| {
             let need = min_logical(fam, heads, u64::from(tp));
             (need.div_ceil(k).max(1) + extra) * k
@@ -541,10 +536,15 @@ fn oracle_cases() -> u32 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: oracle_cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
-    /// Random deployments of every family, both modes, any TP pair, mixed kernel blocks and prefix hits.
+    /// Random deployments of every family, both modes, any TP pair, mixed kernel blocks and prefix hits; the
+    /// handshake accepts every rank pair the planner plans.
     #[test]
     fn oracle_random_deployments(s in scenario()) {
         simulate(&s);
+        let report = super::scenario::check::check_scenario(&s).unwrap();
+        let findings = report.pairs.iter().flat_map(|p| &p.findings);
+        let other: Vec<_> = findings.filter(|f| f.check != "gqa_replication").collect();
+        prop_assert!(other.is_empty(), "{:?}", other);
     }
 }
 
@@ -558,7 +558,7 @@ fn oracle_contiguous_requests_use_chunks() {
             for mode in [TransferMode::Pull, TransferMode::Push] {
                 let m = model(fam, 2);
                 let n = m.groups.len();
-                // Several GQA heads per rank cannot be cut into smaller units: equal kernels for GQA.
+                // GQA kernels equal: chunk descriptors need whole units (per-head pieces take none).
                 let dk = if matches!(fam, Family::PureMla) { 2 } else { 4 };
                 let req = Request {
                     id: "r".into(),
@@ -632,7 +632,7 @@ fn oracle_hybrid_mla_tp_grid() {
 
 /// Token-major pages of several heads per rank with different kernel block sizes on the two sides, both modes
 /// and both directions of the ratio: planned by token ranges, byte-exact; the same deployment with heads-major
-/// pages is refused (it would need a per-head conversion).
+/// pages is planned per (head, unit), byte-exact too.
 #[test]
 fn oracle_token_major_pages_of_different_block_sizes() {
     for (pk, dk) in [(8u64, 4u64), (4, 8), (4, 6)] {
@@ -660,9 +660,10 @@ fn oracle_token_major_pages_of_different_block_sizes() {
                     requests: vec![req],
                 };
                 simulate(&s);
+                // heads-major pages of the same deployment: cut per (head, unit)
                 s.prefill.kv_layout = Some("HND".into());
                 s.decode.kv_layout = None;
-                assert!(Deployment::build(&s).and_then(|d| d.plan_all().map(|_| ())).is_err());
+                simulate(&s);
                 // and the same token-major pages split between TP sizes (per-token head slices)
                 s.prefill.kv_layout = Some("NHD".into());
                 s.decode.kv_layout = Some("BLNHC".into());
@@ -671,6 +672,62 @@ fn oracle_token_major_pages_of_different_block_sizes() {
                 s.decode.tp_size = tp;
                 s.prefill.tp_size = tp * 2;
                 simulate(&s);
+            }
+        }
+    }
+}
+
+/// Heads-major pages of several heads per rank with different kernel block sizes on the two sides: GQA (8 KV
+/// heads, and 2 heads replicated over 4 ranks), a hybrid GQA + Mamba2 model and K/V in separate tensors, at
+/// equal TP and under a TP head split in both directions, both modes, both directions of the ratio and a ratio
+/// neither side divides: every decode byte is what the prefill page means.
+#[test]
+fn oracle_heads_major_pages_of_different_block_sizes() {
+    let tps = [(1u32, 1u32), (2, 1), (1, 2), (2, 4), (4, 2), (1, 4), (8, 2)];
+    for (fam, heads) in [
+        (Family::PureGqa, 8u64),
+        (Family::GqaSsm, 8),
+        (Family::KvApart, 4),
+        (Family::PureGqa, 2),
+    ] {
+        for (pk, dk) in [(8u64, 4u64), (4, 8), (4, 6)] {
+            for (ptp, dtp) in tps {
+                for mode in [TransferMode::Pull, TransferMode::Push] {
+                    let m = model(fam, heads);
+                    let n = m.groups.len();
+                    let ssm = |g: usize| matches!(m.groups[g], Group::Ssm { .. });
+                    // SSM states in blocks of their own (the tensors are shared with the attention pages)
+                    let ids = |attn: &[u64], state: u64, g: usize| if ssm(g) { vec![state] } else { attn.to_vec() };
+                    let req = Request {
+                        id: "r".into(),
+                        prefill: (0..n).map(|g| ids(&[3, 1, 4], 0, g)).collect(),
+                        decode: (0..n).map(|g| ids(&[5, 2, 0], 1, g)).collect(),
+                    };
+                    let engine = |tp: u32, k: u64, layout: Option<&str>| Engine {
+                        tp_size: tp,
+                        logical_block_size: 24,
+                        kernel_block_size: k,
+                        num_blocks: 6,
+                        kv_layout: layout.map(String::from),
+                    };
+                    let s = Scenario {
+                        name: Some(format!(
+                            "{fam:?} {heads} heads, P TP {ptp} k {pk} -> D TP {dtp} k {dk}, {mode:?}"
+                        )),
+                        model: m,
+                        prefill: engine(ptp, pk, Some("LBHNC")),
+                        decode: engine(dtp, dk, None),
+                        mode,
+                        requests: vec![req],
+                    };
+                    simulate(&s);
+                    // the handshake accepts each pair (prefill ranks replicating heads for fewer decode ranks
+                    // aside: refused whatever the block sizes, though planned byte-exact here)
+                    let report = super::scenario::check::check_scenario(&s).unwrap();
+                    let findings = report.pairs.iter().flat_map(|p| &p.findings);
+                    let other: Vec<_> = findings.filter(|f| f.check != "gqa_replication").collect();
+                    assert!(other.is_empty(), "{other:?}");
+                }
             }
         }
     }

@@ -3,9 +3,12 @@
 //! vLLM addresses the local side in `bsr = local/remote` sub-blocks when the local kernel block is larger,
 //! and (hybrid MLA pull only) rewrites the remote metadata into `gcd` sub-blocks when neither divides the
 //! other. hybrid-kv always does the second: both sides are cut into units of `gcd(local, remote)` tokens, so
-//! a larger kernel block on either side works, in pull and in push. Attention pages are only cut where a
-//! byte range is a token range (MLA latents, or one head per rank); SSM states are never cut.
+//! a larger kernel block on either side works, in pull and in push. A unit of a token-major page (and of a page
+//! of one head, or MLA latents) is one byte range; a unit of a heads-major page of several heads per rank is one
+//! byte range per head (`[H, N, C]`: a head's tokens are contiguous, a token's heads are not), so such units
+//! are cut per head ([`BlockUnits::per_head`]). SSM states are never cut.
 
+use super::kv_layout::PageOrder;
 use super::plan::PlanError;
 
 /// Largest number of units one kernel block may be cut into (vLLM gives up above 128 as well).
@@ -20,6 +23,10 @@ pub struct BlockUnits {
     pub local_sub: u64,
     /// Units per remote kernel block (vLLM's C.6 split factor).
     pub remote_sub: u64,
+    /// Heads-major pages of several heads per rank (on either side) cut into units smaller than a kernel block:
+    /// the heads a rank pair exchanges per unit (the smaller side's heads per rank), every unit then being one
+    /// descriptor per head. `None`: a unit is one descriptor (a token range, or a whole page).
+    pub per_head: Option<u64>,
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -50,6 +57,7 @@ impl BlockUnits {
             unit_tokens: unit,
             local_sub: local_kernel / unit,
             remote_sub: remote_kernel / unit,
+            per_head: None,
         };
         if units.local_sub.max(units.remote_sub) > MAX_UNITS_PER_BLOCK {
             return Err(bad());
@@ -77,29 +85,51 @@ impl BlockUnits {
             unit_tokens: 1,
             local_sub: local_kernel,
             remote_sub: remote_kernel,
+            per_head: None,
         })
     }
 
     /// The units a pair of ranks is planned in: per token when token-major attention pages are split between
-    /// TP sizes (`heads` per rank differ), else the common unit of the two kernel blocks.
+    /// TP sizes (`heads` per rank differ), else the common unit of the two kernel blocks, cut per head when
+    /// heads-major pages of several heads per rank are cut at all.
+    ///
+    /// `gqa_order` is the page order of the model's (non-MLA) attention pages, `None` without any.
     ///
     /// # Errors
     /// As [`BlockUnits::new`] and [`BlockUnits::per_token`].
     pub fn for_pages(
         (local_kernel, remote_kernel): (u64, u64),
-        token_major_gqa: bool,
+        gqa_order: Option<PageOrder>,
         (local_heads, remote_heads): (u64, u64),
     ) -> Result<BlockUnits, PlanError> {
-        if token_major_gqa && local_heads != remote_heads {
-            BlockUnits::per_token(local_kernel, remote_kernel)
-        } else {
-            BlockUnits::new(local_kernel, remote_kernel)
+        match gqa_order {
+            Some(PageOrder::TokenMajor) if local_heads != remote_heads => {
+                BlockUnits::per_token(local_kernel, remote_kernel)
+            }
+            Some(PageOrder::HeadsMajor) if local_heads > 1 || remote_heads > 1 => {
+                let units = BlockUnits::new(local_kernel, remote_kernel)?;
+                Ok(BlockUnits {
+                    per_head: (!units.is_identity()).then_some(local_heads.min(remote_heads)),
+                    ..units
+                })
+            }
+            _ => BlockUnits::new(local_kernel, remote_kernel),
         }
     }
 
     /// True when both sides use their whole kernel blocks.
     pub fn is_identity(&self) -> bool {
         self.local_sub == 1 && self.remote_sub == 1
+    }
+
+    /// Descriptors per local kernel block: its units, times the heads exchanged when cut per head.
+    pub fn local_pieces(&self) -> u64 {
+        self.local_sub.saturating_mul(self.per_head.unwrap_or(1))
+    }
+
+    /// Descriptors per remote kernel block (as [`BlockUnits::local_pieces`]).
+    pub fn remote_pieces(&self) -> u64 {
+        self.remote_sub.saturating_mul(self.per_head.unwrap_or(1))
     }
 }
 
@@ -114,7 +144,8 @@ mod tests {
             BlockUnits {
                 unit_tokens: 4,
                 local_sub: 4,
-                remote_sub: 1
+                remote_sub: 1,
+                per_head: None
             }
         );
         assert_eq!(
@@ -122,7 +153,8 @@ mod tests {
             BlockUnits {
                 unit_tokens: 4,
                 local_sub: 1,
-                remote_sub: 4
+                remote_sub: 4,
+                per_head: None
             }
         );
         assert_eq!(
@@ -130,7 +162,8 @@ mod tests {
             BlockUnits {
                 unit_tokens: 4,
                 local_sub: 3,
-                remote_sub: 2
+                remote_sub: 2,
+                per_head: None
             }
         );
         assert!(BlockUnits::new(64, 64).unwrap().is_identity());

@@ -22,12 +22,21 @@ CONTENT_TOKENS = 2048
 
 
 def _transfer(
-    model_dirs: dict[str, str], model: str, p_tp: int, d_tp: int, mode: str, lengths: list[int], verify: str = "off"
+    model_dirs: dict[str, str],
+    model: str,
+    p_tp: int,
+    d_tp: int,
+    mode: str,
+    lengths: list[int],
+    verify: str = "off",
+    blocks: tuple[dict[str, int], dict[str, int]] = ({}, {}),
 ) -> Any:
+    """``blocks``: the prefill's and the decode's ``EngineSpec`` block fields (``block_size``,
+    ``gqa_kernel_block``) where they differ from the defaults."""
     p_port, d_port = side_channel_ports(2)
     extra = (("verify", verify),)
-    p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port, extra=extra))
-    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port, extra=extra))
+    p = Engine.start(EngineSpec("prefill", model, model_dirs[model], p_tp, mode, p_port, extra=extra, **blocks[0]))
+    d = Engine.start(EngineSpec("decode", model, model_dirs[model], d_tp, mode, d_port, extra=extra, **blocks[1]))
     try:
         reqs = []
         for i, n in enumerate(lengths):
@@ -114,6 +123,33 @@ def test_gqa_and_pure_mla_pull(model_dirs: dict[str, str], model: str, p_tp: int
     p, d = _transfer(model_dirs, model, p_tp, d_tp, "pull", [300, 517], "all")
     s = _stats(d)
     assert s["bytes"] and all(b > 0 for b in s["bytes"])
+    _assert_verified(d, "all", 2 * d_tp)
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "mode", "p_blocks", "d_blocks"),
+    [
+        (1, 1, "pull", (32, 16), (32, 32)),
+        (2, 1, "pull", (16, 16), (32, 8)),
+        (1, 2, "push", (32, 32), (16, 16)),
+    ],
+    ids=["tp1-k16-to-tp1-k32-pull", "tp2-b16-to-tp1-b32k8-pull", "tp1-k32-to-tp2-b16-push"],
+)
+def test_gqa_with_different_block_sizes(
+    model_dirs: dict[str, str],
+    p_tp: int,
+    d_tp: int,
+    mode: str,
+    p_blocks: tuple[int, int],
+    d_blocks: tuple[int, int],
+) -> None:
+    """GQA of 4 KV heads in heads-major pages (2 or 4 per rank) with different scheduler and kernel block sizes
+    on the two engines (``(block_size, kernel block)``), at equal TP and under a head split both ways: planned per
+    (head, unit), every byte verified (before: refused at the handshake)."""
+    p_spec = {"block_size": p_blocks[0], "gqa_kernel_block": p_blocks[1]}
+    d_spec = {"block_size": d_blocks[0], "gqa_kernel_block": d_blocks[1]}
+    p, d = _transfer(model_dirs, "gqa", p_tp, d_tp, mode, [300, 517], "all", (p_spec, d_spec))
+    assert _stats(d if mode == "pull" else p)["num_failed_transfers"] == 0
     _assert_verified(d, "all", 2 * d_tp)
 
 

@@ -59,6 +59,8 @@ class EngineSpec:
     layerwise: bool = False  # prefill steps as forwards, layer by layer with save hooks (see the module docs)
     layer_s: float = 0.0  # compute time of each layer in a layerwise forward (a sleep)
     max_batched_tokens: int = 4096  # the scheduler's token budget per step (smaller: chunked prefill)
+    block_size: int = 32  # the scheduler's block (tokens) of the GQA and MLA models
+    gqa_kernel_block: int = KB  # the attention kernel block (tokens) of the GQA model
 
     @property
     def logical_block_size(self) -> int:
@@ -66,7 +68,7 @@ class EngineSpec:
             from hybrid_kv.presets import get_preset
 
             return get_preset("tiny-kimi-linear").geometry(self.tp).logical_block_size
-        return 32
+        return self.block_size
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -492,7 +494,11 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
         ensure_model_parallel_initialized(spec.tp, 1)
         connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cfg)
         kernel = [
-            KB if isinstance(g.kv_cache_spec, MLAAttentionSpec) or spec.model == "gqa" else g.kv_cache_spec.block_size
+            spec.gqa_kernel_block
+            if spec.model == "gqa"
+            else KB
+            if isinstance(g.kv_cache_spec, MLAAttentionSpec)
+            else g.kv_cache_spec.block_size
             for g in kv_cfg.kv_cache_groups
         ]
         device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")

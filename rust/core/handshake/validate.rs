@@ -327,15 +327,21 @@ fn heads(local: &AgentMeta, remote: &AgentMeta, ratio: Option<i64>, add: &mut Ad
 }
 
 /// The common token unit of both kernel block sizes, when the planner can address it: at most
-/// [`MAX_UNITS_PER_BLOCK`](crate::core::units::MAX_UNITS_PER_BLOCK) units per block, and pages that can be cut
-/// by tokens (MLA latents, or one KV head per rank) whenever the sizes differ.
+/// [`MAX_UNITS_PER_BLOCK`](crate::core::units::MAX_UNITS_PER_BLOCK) units per block (token-major pages split
+/// between TP sizes: tokens per block). Heads-major pages of several heads per rank are cut per head.
 fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Option<BlockUnits> {
     let (lk, rk) = (local.kernel_block_size, remote.kernel_block_size);
     let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
     let has_gqa = local.groups.contains(&GroupKind::Attention);
-    let token_major = has_gqa && order(local) == PageOrder::TokenMajor && order(remote) == PageOrder::TokenMajor;
-    let units = match BlockUnits::for_pages((lk, rk), token_major, (lh, rh)) {
-        Ok(u) => u,
+    // Both sides' page orders must agree (checked beside this); token-major only when both are.
+    let token_major = order(local) == PageOrder::TokenMajor && order(remote) == PageOrder::TokenMajor;
+    let gqa_order = has_gqa.then_some(if token_major {
+        PageOrder::TokenMajor
+    } else {
+        PageOrder::HeadsMajor
+    });
+    match BlockUnits::for_pages((lk, rk), gqa_order, (lh, rh)) {
+        Ok(u) => Some(u),
         Err(e) => {
             add(
                 "block_size_ratio",
@@ -343,23 +349,9 @@ fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Opti
                 format!("kernel block {rk}"),
                 e.to_string(),
             );
-            return None;
+            None
         }
-    };
-    // Token-major pages cut by tokens at any head count; heads-major ones only with one head per rank.
-    let heads_major = has_gqa && (lh > 1 || rh > 1) && !token_major;
-    if !units.is_identity() && heads_major {
-        add(
-            "block_size_ratio",
-            format!("kernel block {lk}, {lh} KV heads per rank"),
-            format!("kernel block {rk}, {rh} KV heads per rank"),
-            "different kernel block sizes need token-contiguous pages (MLA, token-major pages, or one KV head per rank); \
-             heads-major pages would need a layout conversion after the transfer, which hybrid-kv does not do"
-                .into(),
-        );
-        return None;
     }
-    Some(units)
 }
 
 /// As vLLM's NIXL connector checks, in common units: hybrid MLA+SSM kernel pages must hold the same bytes per token,
@@ -389,8 +381,6 @@ fn hybrid_mla_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ad
 /// are skipped.
 fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, ratio: Option<i64>, add: &mut Add<'_>) {
     let Some(ratio) = ratio else { return };
-    let k = local.total_num_kv_heads;
-    let remote_replicated = u64::from(remote.tp_size) > k;
     let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
     // Remote page bytes expected from `bytes` of local page: rescaled from local to remote units.
     let to_remote = |bytes: u128| {
@@ -404,16 +394,11 @@ fn attention_block_len(local: &AgentMeta, remote: &AgentMeta, u: BlockUnits, rat
             expected.push("ssm".to_string()); // padded state pages: covered by the SSM size checks
             continue;
         }
-        let want = if local.use_mla || remote_replicated || l.is_mla {
+        let want = if local.use_mla || l.is_mla {
             to_remote(u128::from(l.block_len))
         } else {
-            let scaled = u128::from(l.block_len) * u128::from(rh) / u128::from(lh);
-            let token_major = order(local) == PageOrder::TokenMajor && order(remote) == PageOrder::TokenMajor;
-            if ratio > 0 || u.is_identity() || token_major {
-                to_remote(scaled)
-            } else {
-                None
-            }
+            // Page bytes scale with the heads per rank (token-major pages cut per token, heads-major per head).
+            to_remote(u128::from(l.block_len) * u128::from(rh) / u128::from(lh))
         };
         bad |= want != Some(u128::from(r.block_len));
         expected.push(want.map_or("-".into(), |w| w.to_string()));

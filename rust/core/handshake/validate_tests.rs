@@ -280,19 +280,11 @@ fn layout_and_head_checks() {
 
 #[test]
 fn block_size_and_block_len_checks() {
-    // 4 KV heads per rank: heads-major pages cannot be cut by tokens, so kernel blocks must be equal.
+    // 4 KV heads per rank: heads-major pages are cut per (head, unit), so 8- and 16-token blocks pair up.
     let local = meta(&gqa(8, 2, 0, 8, 2), "d", TransferMode::Pull);
     let remote = meta(&gqa(8, 2, 0, 16, 2), "p", TransferMode::Pull);
-    for (l, r) in [(&local, &remote), (&remote, &local)] {
-        let f = findings(l, r, &Expected::default());
-        assert_eq!(f.len(), 1, "{f:?}");
-        let text = f[0].to_string();
-        assert!(text.starts_with("block_size_ratio: local kernel block"), "{text}");
-        assert!(
-            text.contains("4 KV heads per rank") && text.contains("layout conversion"),
-            "{text}"
-        );
-    }
+    assert_eq!(validate(&local, &remote), Ok(()));
+    assert_eq!(validate(&remote, &local), Ok(()));
     // One KV head per rank (8 heads, TP 8): pages are token-contiguous, so 8- and 16-token blocks pair up.
     let local = meta(&gqa(8, 8, 0, 8, 2), "d", TransferMode::Pull);
     let remote = meta(&gqa(8, 8, 0, 16, 2), "p", TransferMode::Pull);

@@ -9,6 +9,7 @@ use super::checks::{check_inside_advertised, check_remote_size, check_remotes};
 use super::emit::Slots;
 use super::error::{PlanError, Side};
 use super::failed::BlockMap;
+use super::heads::local_piece_table;
 use super::ids::{shared_group_pairs, IdSpace, ID_LIMIT};
 use super::key::TableKey;
 use super::remote::{heads_per_rank, remote_table};
@@ -18,7 +19,6 @@ use super::split::{split_table, Piece};
 use super::PeerPlan;
 use crate::core::alias::merge_alias_groups;
 use crate::core::descs::DescTable;
-use crate::core::kv_layout::PageOrder;
 use crate::core::meta::{AgentMeta, TransferMode};
 use crate::core::region::{hosts_attention, GroupKind, RegionTable};
 use crate::core::tp::TpMapping;
@@ -79,19 +79,27 @@ impl PeerPlan {
         let first = check_remotes(remotes, mode)?;
         let groups = local.groups.clone();
         let mapping = map_ranks(local, remotes, first, &groups, partial)?;
-        let token_major_gqa = groups.contains(&GroupKind::Attention) && local.page_order == PageOrder::TokenMajor;
+        let gqa_order = groups.contains(&GroupKind::Attention).then_some(local.page_order);
         let heads = (
             heads_per_rank(mapping.total_kv_heads, local.tp_size),
             heads_per_rank(mapping.total_kv_heads, first.tp_size),
         );
         let kernels = (local.geometry.kernel_block_size, first.kernel_block_size);
-        let units = BlockUnits::for_pages(kernels, token_major_gqa, heads)?;
+        let units = BlockUnits::for_pages(kernels, gqa_order, heads)?;
         check_remote_size(local, first, units, &mapping)?;
         let mut remote_tables = build_remote_tables(local, remotes, &mapping, units)?;
-        let base = build_base_table(local, units)?;
+        let base = build_base_table(local, units, heads.0)?;
         let region_groups = attention_groups_per_region(local, &groups);
-        let l_counts: Vec<u64> = local.regions.iter().map(|r| r.num_blocks * units.local_sub).collect();
-        let r_counts: Vec<u64> = first.regions.iter().map(|r| r.num_blocks * units.remote_sub).collect();
+        let l_counts: Vec<u64> = local
+            .regions
+            .iter()
+            .map(|r| r.num_blocks * units.local_pieces())
+            .collect();
+        let r_counts: Vec<u64> = first
+            .regions
+            .iter()
+            .map(|r| r.num_blocks * units.remote_pieces())
+            .collect();
         let (local_space, remote_space) = id_spaces(
             local,
             first,
@@ -100,15 +108,15 @@ impl PeerPlan {
             (&l_counts, &r_counts),
             &region_groups,
         );
-        let base_key = if units.local_sub == 1 {
+        let base_key = if units.local_pieces() == 1 {
             TableKey::Whole
         } else {
-            TableKey::Bsr(units.local_sub)
+            TableKey::Bsr(units.local_pieces())
         };
         let (mut routes, pieces) = routes(local, &mapping, mode, base_key, &groups);
         // Restricted to some ranks: their routes only (split tables stay as the whole plan cuts them).
         routes.retain(|r| remote_tables.iter().any(|(rank, _)| *rank == r.remote_rank));
-        let mut local_tables = with_split_tables(local, (base_key, base), &pieces, &l_counts)?;
+        let mut local_tables = with_split_tables(local, (base_key, base), &pieces, &l_counts, (units, heads.0))?;
         let (chunks, states) = if coalesce {
             // Only remote ranks some route exchanges attention with ever use chunk ids (an MLA pull reads one
             // of the ranks it handshakes with; SSM-only ranks get none).
@@ -116,7 +124,11 @@ impl PeerPlan {
                 local,
                 &mut local_tables,
                 &mut remote_tables,
-                &attention_ranks(&routes, &groups),
+                // per-head pieces of a unit are not consecutive units: no chunk rows
+                units
+                    .per_head
+                    .is_none()
+                    .then_some(&attention_ranks(&routes, &groups)[..]),
                 &region_groups,
                 (&local_space, &l_counts),
                 (&remote_space, &r_counts),
@@ -130,6 +142,7 @@ impl PeerPlan {
             (&ssm_bases(states, (&local_space, &remote_space)), &local.ssm_regions),
             (&local_space, &remote_space),
             &chunks,
+            units,
         );
         Ok(PeerPlan {
             mode,
@@ -211,9 +224,14 @@ fn sorted_by_rank(remotes: &[AgentMeta]) -> Vec<&AgentMeta> {
     v
 }
 
-/// The local base table in common units, within int32 ids.
-fn build_base_table(local: &RegionTable, units: BlockUnits) -> Result<DescTable, PlanError> {
-    let base = local.local_table(units.local_sub)?;
+/// The local base table in common units (per-head pieces: those of the first remote slot's heads, all of the
+/// rank's heads unless it holds more than the remote ranks), within int32 ids.
+fn build_base_table(local: &RegionTable, units: BlockUnits, heads: u64) -> Result<DescTable, PlanError> {
+    let base = if units.per_head.is_some() {
+        local_piece_table(local, units, heads, 0)?
+    } else {
+        local.local_table(units.local_sub)?
+    };
     check_id_range(&base, Side::Local)?;
     Ok(base)
 }
@@ -262,7 +280,7 @@ fn id_spaces(
         l_num_fa,
         ssm_streams,
         geo.ppl,
-        units.local_sub,
+        (units.local_sub, units.per_head.unwrap_or(1)),
         geo.logical_block_size,
         geo.num_logical_blocks,
         region_groups,
@@ -273,7 +291,7 @@ fn id_spaces(
         r_num_fa,
         ssm_streams,
         first.ppl,
-        units.remote_sub,
+        (units.remote_sub, units.per_head.unwrap_or(1)),
         first.logical_block_size,
         first.num_logical_blocks,
         region_groups,
@@ -293,21 +311,28 @@ fn id_spaces(
 }
 
 /// The local tables by key: the base table first, then one split table per piece the routes use. Regions kept
-/// whole in every piece (MLA, or holding no attention) are marked replicated.
+/// whole in every piece (MLA, or holding no attention) are marked replicated. Per-head pieces are cut from the
+/// piece table of the piece's heads (`heads` per local rank), whose attention rows are kept whole.
 fn with_split_tables(
     local: &RegionTable,
     (base_key, base): (TableKey, DescTable),
     pieces: &[Piece],
     l_counts: &[u64],
+    (units, heads): (BlockUnits, u64),
 ) -> Result<Vec<(TableKey, Arc<DescTable>)>, PlanError> {
     let replicated: Vec<bool> = local
         .regions
         .iter()
-        .map(|r| r.is_mla || !hosts_attention(r.group, &local.groups))
+        .map(|r| r.is_mla || !hosts_attention(r.group, &local.groups) || units.per_head.is_some())
         .collect();
     let mut local_tables = Vec::with_capacity(1 + pieces.len());
     for (i, piece) in pieces.iter().enumerate() {
-        let split = split_table(&base, &replicated, l_counts, *piece)?;
+        let split = if units.per_head.is_some() {
+            let heads_table = local_piece_table(local, units, heads, piece.fa_slot)?;
+            split_table(&heads_table, &replicated, l_counts, *piece)?
+        } else {
+            split_table(&base, &replicated, l_counts, *piece)?
+        };
         local_tables.push((TableKey::Split(i), Arc::new(split)));
     }
     local_tables.insert(0, (base_key, Arc::new(base)));

@@ -94,8 +94,8 @@ pub(super) fn check_remote_size(
             .try_fold(0u64, |acc, n| acc.checked_add(n.checked_mul(sub)?))
             .unwrap_or(u64::MAX)
     }
-    let local_units = total(local.regions.iter().map(|r| r.num_blocks), units.local_sub);
-    let remote_units = total(remote.regions.iter().map(|r| r.num_blocks), units.remote_sub);
+    let local_units = total(local.regions.iter().map(|r| r.num_blocks), units.local_pieces());
+    let remote_units = total(remote.regions.iter().map(|r| r.num_blocks), units.remote_pieces());
     let spread = if mapping.tp_ratio < 0 {
         mapping.tp_ratio.unsigned_abs()
     } else {

@@ -12,12 +12,14 @@
 //! writes each slot's ids to the stage its pair belongs to, so a request's stages are exactly its ids cut by
 //! (region, group), each id once.
 
+use super::heads::piece_ids;
 use super::ids::{window_units, IdSpace};
 use super::runs::{chunk_runs, Run, UnitCursor};
 use super::stages::StageMap;
 use super::trim::Window;
 use crate::core::coalesce::ChunkStarts;
 use crate::core::region::GroupKind;
+use crate::core::units::BlockUnits;
 
 /// Id slots of a peer plan, in emission order.
 #[derive(Debug, Clone)]
@@ -30,6 +32,11 @@ pub(crate) struct Slots {
     group_layouts: Vec<Vec<usize>>,
     /// Per group: how many of its slots are coalesced and how many take one id per unit (or state).
     slot_counts: Vec<(usize, usize)>,
+    /// Units cut per head: `(local units, remote units)` per kernel block and the heads of each unit.
+    per_head: Option<((u64, u64), u64)>,
+    /// Units cut per head: the distinct `(local, remote)` kernel-block counts of the regions (one, unless pools
+    /// differ in size), by which piece ids are laid out.
+    piece_layouts: Vec<(u64, u64)>,
 }
 
 /// One region's attention ids of one group.
@@ -39,6 +46,8 @@ struct AttnSlot {
     region: usize,
     /// Flat starts of the region's unit descriptors, local and remote.
     start: (u64, u64),
+    /// Units cut per head: the index of the region's kernel-block counts in `Slots::piece_layouts`.
+    piece_layout: usize,
     /// Coalesced: the index into the group's layouts and the flat starts of the region's chunk rows.
     chunks: Option<(usize, (u64, u64))>,
 }
@@ -60,6 +69,9 @@ pub(crate) struct GroupIds {
     chunked: Option<ChunkedIds>,
     /// Unit (attention) or state (SSM) ids, local and remote, where some slot takes one id per unit.
     units: (Vec<u64>, Vec<u64>),
+    /// Units cut per head: piece ids relative to a region's start, local and remote, per piece layout (written
+    /// instead of `units`).
+    pieces: Vec<(Vec<u64>, Vec<u64>)>,
 }
 
 /// A coalesced group's runs: per run whether it is a chunk (else a lone unit), and the runs' ids relative
@@ -87,12 +99,19 @@ impl Slots {
         (ssm_bases, ssm_regions): (&[(u64, u64)], &[usize]),
         (local, remote): (&IdSpace, &IdSpace),
         chunks: &[Option<(ChunkStarts, ChunkStarts)>],
+        units: BlockUnits,
     ) -> Slots {
         let mut layouts: Vec<(ChunkStarts, ChunkStarts)> = Vec::new();
         let mut group_layouts = vec![Vec::new(); groups.len()];
         let mut slot_counts = vec![(0, 0); groups.len()];
         let mut attn = Vec::new();
+        let mut piece_layouts: Vec<(u64, u64)> = Vec::new();
         for (r, gs) in region_groups.iter().enumerate() {
+            let blocks = (local.region_blocks[r], remote.region_blocks[r]);
+            let piece_layout = piece_layouts.iter().position(|&b| b == blocks).unwrap_or_else(|| {
+                piece_layouts.push(blocks);
+                piece_layouts.len() - 1
+            });
             // The region's layout index and chunk bases, shared by all its groups.
             let coalesced = chunks[r].as_ref().map(|(lc, rc)| {
                 // Regions of equal unit counts share one layout: compared in place, built once (a relative
@@ -122,6 +141,7 @@ impl Slots {
                     group: g,
                     region: r,
                     start,
+                    piece_layout,
                     chunks,
                 });
             }
@@ -147,6 +167,8 @@ impl Slots {
             layouts,
             group_layouts,
             slot_counts,
+            per_head: units.per_head.map(|hp| ((units.local_sub, units.remote_sub), hp)),
+            piece_layouts,
         }
     }
 
@@ -167,6 +189,7 @@ impl Slots {
                         len,
                         chunked: None,
                         units,
+                        pieces: Vec::new(),
                     };
                 }
                 // Chunks only where they save at least a quarter of the ids.
@@ -186,7 +209,25 @@ impl Slots {
                 } else {
                     Default::default()
                 };
-                GroupIds { len, chunked, units }
+                if let Some(((l_sub, r_sub), hp)) = self.per_head {
+                    let pieces: Vec<_> = self
+                        .piece_layouts
+                        .iter()
+                        .map(|&(lb, rb)| (piece_ids(&units.0, l_sub, hp, lb), piece_ids(&units.1, r_sub, hp, rb)))
+                        .collect();
+                    return GroupIds {
+                        len: len * hp as usize,
+                        chunked: None,
+                        units: Default::default(),
+                        pieces,
+                    };
+                }
+                GroupIds {
+                    len,
+                    chunked,
+                    units,
+                    pieces: Vec::new(),
+                }
             })
             .collect()
     }
@@ -279,6 +320,9 @@ fn attn_len(s: &AttnSlot, g: &GroupIds) -> usize {
 
 /// Write one attention slot's ids into `l` and `r` (exactly [`attn_len`] of each).
 fn write_attn(s: &AttnSlot, g: &GroupIds, (l, r): (&mut [i32], &mut [i32])) {
+    if let Some(pieces) = g.pieces.get(s.piece_layout) {
+        return write_plain(s.start, pieces, (l, r));
+    }
     match (s.chunks, &g.chunked) {
         (Some((i, (lb, rb))), Some(ChunkedIds { is_chunk, per_layout })) => {
             let (local, remote) = &per_layout[i];
@@ -339,8 +383,9 @@ mod tests {
         let chunks: Vec<_> = chunk_starts.into_iter().map(|c| c.map(|c| (c.clone(), c))).collect();
         let groups = [GroupKind::Attention];
         let region_groups = vec![vec![0], vec![0], vec![0]];
-        let space = IdSpace::new(&counts, 150, 0, 1, 1, 16, 40, &region_groups, &groups);
-        let slots = Slots::new(&groups, &region_groups, (&[], &[]), (&space, &space), &chunks);
+        let space = IdSpace::new(&counts, 150, 0, 1, (1, 1), 16, 40, &region_groups, &groups);
+        let units = BlockUnits::new(16, 16).unwrap();
+        let slots = Slots::new(&groups, &region_groups, (&[], &[]), (&space, &space), &chunks, units);
         assert_eq!(slots.layouts.len(), 2);
         // Runs of 12, 8 and 2 units consecutive on both sides: three 4-unit chunks, one 8 and one 2.
         let lids = vec![(0..20).chain([30, 31]).collect::<Vec<u64>>()];

@@ -134,7 +134,7 @@ proptest! {
 
     /// Any set of ids of any table maps to the union of what its descriptors map to in the flat expansion.
     #[test]
-    fn any_id_set_maps_like_the_flat_expansion(case in 0usize..8, table in 0usize..4, picks in prop::collection::vec(any::<u32>(), 0..64)) {
+    fn any_id_set_maps_like_the_flat_expansion(case in 0usize..12, table in 0usize..4, picks in prop::collection::vec(any::<u32>(), 0..64)) {
         let (name, local, peer, _) = peers().swap_remove(case);
         let (key, t) = &peer.local_tables[table % peer.local_tables.len()];
         let ids: Vec<i32> = picks.iter().map(|&p| (u64::from(p) % t.len()) as i32).collect();

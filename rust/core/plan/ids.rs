@@ -13,9 +13,12 @@ pub(crate) const ID_LIMIT: u64 = i32::MAX as u64;
 pub(crate) struct IdSpace {
     /// Flat start of every region's attention descriptors.
     pub(crate) region_start: Vec<u64>,
+    /// Kernel blocks of every region (what per-head piece ids are laid out by).
+    pub(crate) region_blocks: Vec<u64>,
     /// Flat start of every (SSM region, stream), in table order.
     pub(crate) ssm_start: Vec<u64>,
-    /// Common units per logical attention block (`ppl * sub`).
+    /// Common units per logical attention block (`ppl * sub`; each unit is `per_unit` descriptors, one per head
+    /// when cut per head).
     pub(crate) units_per_logical: u64,
     /// Tokens per logical block.
     pub(crate) logical_tokens: u64,
@@ -33,7 +36,7 @@ impl IdSpace {
         num_fa: u64,
         ssm_streams: usize,
         ppl: u64,
-        sub: u64,
+        (sub, per_unit): (u64, u64),
         logical_tokens: u64,
         num_logical: u64,
         region_groups: &[Vec<usize>],
@@ -50,12 +53,14 @@ impl IdSpace {
             .map(|g| {
                 let regions = region_groups.iter().enumerate().filter(|(_, gs)| gs.contains(&g));
                 regions
-                    .map(|(r, _)| counts[r] / (ppl * sub))
+                    .map(|(r, _)| counts[r] / (ppl * sub * per_unit))
                     .fold(num_logical, u64::min)
             })
             .collect();
+        let region_blocks = counts.iter().map(|c| c / (sub * per_unit)).collect();
         IdSpace {
             region_start,
+            region_blocks,
             ssm_start,
             units_per_logical: ppl * sub,
             logical_tokens,

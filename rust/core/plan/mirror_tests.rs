@@ -15,13 +15,24 @@ const SCENARIOS: [&str; 3] = [
 
 fn deployments() -> Vec<(String, Deployment)> {
     let mut out = Vec::new();
-    for (i, text) in SCENARIOS.iter().enumerate() {
+    // The GQA scenario again with decode kernel blocks of 8 tokens against 16, at decode TP 4 and 1: heads-major
+    // pages cut per (head, unit), under a head split both ways.
+    let variants = SCENARIOS
+        .iter()
+        .enumerate()
+        .map(|(i, text)| (i, *text, None))
+        .chain([(2, SCENARIOS[2], Some(4)), (2, SCENARIOS[2], Some(1))]);
+    for (i, text, per_head) in variants {
         for mode in [TransferMode::Pull, TransferMode::Push] {
             for coalesce in [true, false] {
                 let mut s = Scenario::from_json(text).unwrap();
                 s.mode = mode;
+                if let Some(tp) = per_head {
+                    (s.decode.tp_size, s.decode.kernel_block_size) = (tp, 8);
+                }
                 let dep = Deployment::build_with(&s, coalesce).unwrap();
-                out.push((format!("scenario {i} {mode:?} coalesce={coalesce}"), dep));
+                assert_eq!(dep.peers.iter().all(|p| p.units.per_head.is_some()), per_head.is_some());
+                out.push((format!("scenario {i} {per_head:?} {mode:?} coalesce={coalesce}"), dep));
             }
         }
     }

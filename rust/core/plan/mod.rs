@@ -8,6 +8,8 @@
 //!   block is cut into `n` common units), split copies of it when the local TP is smaller than the remote TP
 //!   and some descriptor must be cut per remote piece, and one table per handshaked remote rank. Split tables
 //!   keep the base table's flat layout, so a request's local ids are the same whichever table they index.
+//!   Heads-major pages of several heads per rank cut into units are cut per (head, unit) instead (`heads.rs`):
+//!   the split tables then select each remote piece's heads rather than cutting descriptors.
 //! * **Ids.** Emitted region-major (every region's attention ids, then every SSM region's streams), each list
 //!   in request order, so a request whose blocks ascend gives ascending, mostly consecutive ids that NIXL
 //!   can merge. Ids are computed arithmetically from list windows; nothing is sorted or hashed per request.
@@ -27,6 +29,7 @@ mod checks;
 mod emit;
 pub mod error;
 mod failed;
+mod heads;
 mod ids;
 mod key;
 pub mod mirror;

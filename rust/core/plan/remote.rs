@@ -7,11 +7,12 @@
 //! rank's channel / dim-0 share of a larger remote state, or the whole smaller remote share.
 
 use super::error::{exact_div, mismatch, PlanError};
+use super::heads::{piece_rows, Pages};
 use crate::core::alias::alias_roots;
 use crate::core::descs::{DescTable, StridedRow};
 use crate::core::kv_layout::PageOrder;
-use crate::core::meta::AgentMeta;
-use crate::core::region::{hosts_attention, GroupKind, RegionTable};
+use crate::core::meta::{AgentMeta, RegionMeta};
+use crate::core::region::{hosts_attention, GroupKind, Region, RegionTable};
 use crate::core::tp::TpMapping;
 use crate::core::units::BlockUnits;
 
@@ -108,6 +109,30 @@ pub fn remote_table(
     let mut rows = Vec::with_capacity(local.regions.len() + local.ssm_regions.len() * 4);
     let mut num_fa = 0u64;
     for (lr, rr) in local.regions.iter().zip(&remote.regions) {
+        if let Some(hp) = units.per_head {
+            let pages = Pages {
+                name: &rr.name,
+                base: rr.base,
+                block_len: rr.block_len,
+                block_stride: rr.block_stride,
+                num_blocks: rr.num_blocks,
+                device: dev,
+            };
+            rows.extend(if !hosts_attention(lr.group, &local.groups) {
+                piece_rows(pages, 1, (0, 1), units.remote_pieces())?
+            } else {
+                check_cells(local, remote, (lr, rr), (heads_l, heads_r))?;
+                // A local rank holding fewer heads reads (or writes) its slice of the remote page.
+                let first = if mapping.tp_ratio > 0 {
+                    mapping.rank_offset_factor * heads_l
+                } else {
+                    0
+                };
+                piece_rows(pages, heads_r, (first, hp), units.remote_sub)?
+            });
+            num_fa += rr.num_blocks * units.remote_pieces();
+            continue;
+        }
         let r_unit = exact_div(
             || format!("remote kernel page of region {}", rr.name),
             rr.block_len,
@@ -122,16 +147,7 @@ pub fn remote_table(
             (0, r_unit)
         } else {
             let (hl, hr) = if lr.is_mla { (1, 1) } else { (heads_l, heads_r) };
-            // Bytes per (head, token) must agree: MLA latents are TP-independent, GQA cells are per head.
-            let cell_l = lr.block_len / (local.geometry.kernel_block_size * hl);
-            let cell_r = rr.block_len / (remote.kernel_block_size * hr);
-            if lr.block_len != cell_l * local.geometry.kernel_block_size * hl || cell_l != cell_r {
-                return Err(mismatch(
-                    format!("kernel page of region {} (bytes for kernel blocks of local {} / remote {} tokens, {hl} / {hr} heads per rank)", lr.name, local.geometry.kernel_block_size, remote.kernel_block_size),
-                    lr.block_len,
-                    rr.block_len,
-                ));
-            }
+            check_cells(local, remote, (lr, rr), (hl, hr))?;
             // Token-major pages: a unit is a token range of every head; under a head split a unit is one token
             // (`BlockUnits::for_pages`), a heads-major page of one token, and is sliced by heads below.
             let token_major = local.page_order == PageOrder::TokenMajor;
@@ -145,12 +161,6 @@ pub fn remote_table(
             if lr.is_mla || (token_major && hl == hr) {
                 (0, l_unit)
             } else {
-                if !token_major && !units.is_identity() && (hl > 1 || hr > 1) {
-                    return Err(PlanError::NotSupported(format!(
-                        "attention region {} is heads-major with {hl} (local) / {hr} (remote) heads per rank; cutting kernel blocks of local {} / remote {} tokens into common units would need a per-head layout conversion",
-                        lr.name, local.geometry.kernel_block_size, remote.kernel_block_size
-                    )));
-                }
                 let num_reads = if mapping.tp_ratio < 0 { fa_splits } else { 1 };
                 let len = exact_div(|| format!("local kernel unit of region {}", lr.name), l_unit, num_reads)?;
                 (mapping.rank_offset_factor * l_unit, len)
@@ -208,6 +218,30 @@ pub fn remote_table(
         }
     }
     Ok(DescTable::new(rows, num_fa))
+}
+
+/// Bytes per (head, token) must agree on both sides, and each side's kernel page must be exactly its tokens'
+/// cells: MLA latents are TP-independent (`heads` 1), GQA cells are per head.
+fn check_cells(
+    local: &RegionTable,
+    remote: &AgentMeta,
+    (lr, rr): (&Region, &RegionMeta),
+    (hl, hr): (u64, u64),
+) -> Result<(), PlanError> {
+    let (lk, rk) = (local.geometry.kernel_block_size, remote.kernel_block_size);
+    let cell_l = lr.block_len / (lk * hl);
+    let cell_r = rr.block_len / (rk * hr);
+    if lr.block_len != cell_l * lk * hl || rr.block_len != cell_r * rk * hr || cell_l != cell_r {
+        return Err(mismatch(
+            format!(
+                "kernel page of region {} (bytes for kernel blocks of local {lk} / remote {rk} tokens, {hl} / {hr} heads per rank)",
+                lr.name
+            ),
+            lr.block_len,
+            rr.block_len,
+        ));
+    }
+    Ok(())
 }
 
 /// The two sides must describe the same caches in the same order.

@@ -17,26 +17,22 @@ pub(super) type RegionChunks = Vec<Option<(ChunkStarts, ChunkStarts)>>;
 /// The flat id of each SSM region's first whole state, local and remote.
 pub(super) type StateStarts = (Vec<u64>, Vec<u64>);
 
-/// Append chunk rows for the remote ranks in `attention_ranks`, then whole-state rows. Returns each region's
-/// chunk starts and, when plans use whole-state rows, where each SSM region's states start on both sides.
+/// Append chunk rows for the remote ranks in `chunk_ranks` (`None`: no chunk rows, the units of per-head pieces
+/// not being consecutive descriptors), then whole-state rows. Returns each region's chunk starts and, when plans
+/// use whole-state rows, where each SSM region's states start on both sides.
 pub(super) fn append_rows(
     local: &RegionTable,
     local_tables: &mut [(TableKey, Arc<DescTable>)],
     remote_tables: &mut [(u32, DescTable)],
-    attention_ranks: &[u32],
+    chunk_ranks: Option<&[u32]>,
     region_groups: &[Vec<usize>],
     l_side: (&IdSpace, &[u64]),
     r_side: (&IdSpace, &[u64]),
 ) -> (RegionChunks, Option<StateStarts>) {
-    let chunks = add_chunk_rows(
-        local,
-        local_tables,
-        remote_tables,
-        attention_ranks,
-        region_groups,
-        l_side,
-        r_side,
-    );
+    let chunks = match chunk_ranks {
+        Some(ranks) => add_chunk_rows(local, local_tables, remote_tables, ranks, region_groups, l_side, r_side),
+        None => vec![None; region_groups.len()],
+    };
     let streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams());
     let states = add_state_rows(local, local_tables, remote_tables, local.ssm_regions.len(), streams);
     (chunks, states)

@@ -1,0 +1,188 @@
+//! Per-head pieces: heads-major pages of several heads per rank cut into units smaller than a kernel block.
+//!
+//! A heads-major kernel page is `[heads, tokens, cell]`: a unit of `u` tokens is one byte range per head, not one
+//! range. So both sides' kernel blocks are cut into `(head, unit)` pieces of `u * cell` bytes, the heads being
+//! those one rank pair exchanges (`hp`, the smaller side's heads per rank). Piece `(k, h, j)` of kernel block
+//! `k < n`, head `h < hp` and unit `j < sub` lies at `k * stride + (first + h) * head_bytes + j * piece` of the
+//! region, where `first` is the first head the pair exchanges on that side, and has id `(h * sub + j) * n + k`:
+//! so a region's pieces are `hp * sub` strided rows of `n` descriptors each, whatever `n`, `first` or the page
+//! padding (ordered by kernel block first, a head slice of a page would need one row per kernel block: 1.2
+//! million rows for 48 layers of 8,192 blocks). The side with more heads per rank selects its `hp` heads by
+//! `first`: the remote table of a rank reading a slice of a larger remote page starts at its slice, and the split
+//! local table of each remote piece at that piece's heads, so a request's ids are the same for every route.
+//!
+//! Nothing is coalesced: two units of one head are contiguous on both sides only inside one kernel block on
+//! each, which happens only when neither kernel block divides the other (and then for runs shorter than either
+//! block); with one dividing the other every piece is a whole head of the smaller block, and its neighbour in
+//! token order lies in the next kernel block, past the other heads.
+
+use super::error::{exact_div, PlanError};
+use crate::core::descs::{DescTable, StridedRow};
+use crate::core::region::{hosts_attention, RegionTable};
+use crate::core::units::BlockUnits;
+
+/// One region's pages as the piece rows see them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pages<'a> {
+    pub(super) name: &'a str,
+    pub(super) base: u64,
+    pub(super) block_len: u64,
+    pub(super) block_stride: u64,
+    pub(super) num_blocks: u64,
+    pub(super) device: u64,
+}
+
+/// The rows of a region's pieces: heads `[first, first + hp)` of every kernel block of `heads` heads, each cut
+/// into `sub` units, in id order (one row per head and unit, one descriptor per kernel block).
+///
+/// # Errors
+/// `Indivisible` when a page does not split into heads and units evenly, `Mismatch` when the heads asked for
+/// are not on the page, `AddressOverflow` when a piece's address wraps.
+pub(super) fn piece_rows(
+    p: Pages<'_>,
+    heads: u64,
+    (first, hp): (u64, u64),
+    sub: u64,
+) -> Result<Vec<StridedRow>, PlanError> {
+    let head_bytes = exact_div(
+        || format!("kernel page of region {} per head", p.name),
+        p.block_len,
+        heads,
+    )?;
+    let piece = exact_div(|| format!("head page of region {} per unit", p.name), head_bytes, sub)?;
+    if first.checked_add(hp).is_none_or(|end| end > heads) {
+        return Err(PlanError::Mismatch {
+            what: format!(
+                "heads exchanged of region {} (first, count) against its heads per rank",
+                p.name
+            ),
+            local: format!("({first}, {hp})"),
+            remote: heads.to_string(),
+        });
+    }
+    let overflow = || PlanError::AddressOverflow {
+        what: format!("region {}", p.name),
+        addr: p.base,
+        len: first.saturating_add(hp).saturating_mul(head_bytes),
+    };
+    (first..first + hp)
+        .flat_map(|h| (0..sub).map(move |j| (h, j)))
+        .map(|(h, j)| {
+            // inside the page: (h, j) < (heads, sub), so the offset is below `block_len`
+            let addr = p.base.checked_add(h * head_bytes + j * piece).ok_or_else(overflow)?;
+            Ok(StridedRow {
+                addr,
+                len: piece,
+                device: p.device,
+                stride: p.block_stride,
+                count: p.num_blocks,
+            })
+        })
+        .collect()
+}
+
+/// The local table cut into per-head pieces for the heads of remote slot `slot` (slot 0 holds heads `[0, hp)`):
+/// every attention region's pieces, every other region's pages cut into as many equal descriptors (never
+/// addressed, so that every region has the same descriptor count per kernel block), then the SSM rows.
+///
+/// # Errors
+/// As [`piece_rows`].
+pub(super) fn local_piece_table(
+    local: &RegionTable,
+    units: BlockUnits,
+    heads: u64,
+    slot: u64,
+) -> Result<DescTable, PlanError> {
+    let hp = units.per_head.unwrap_or(1);
+    let dev = u64::from(local.device);
+    let mut rows = Vec::with_capacity(local.regions.len());
+    let mut num_fa = 0u64;
+    for r in &local.regions {
+        let pages = Pages {
+            name: &r.name,
+            base: r.base,
+            block_len: r.block_len,
+            block_stride: r.block_stride,
+            num_blocks: r.num_blocks,
+            device: dev,
+        };
+        let first = slot.saturating_mul(hp);
+        rows.extend(if hosts_attention(r.group, &local.groups) {
+            piece_rows(pages, heads, (first, hp), units.local_sub)?
+        } else {
+            piece_rows(pages, 1, (0, 1), units.local_pieces())?
+        });
+        num_fa += r.num_blocks * units.local_pieces();
+    }
+    rows.extend(local.ssm_rows(dev));
+    Ok(DescTable::new(rows, num_fa))
+}
+
+/// A request's piece ids of one side relative to a region of `blocks` kernel blocks: head by head, each head's
+/// units (`sub` per kernel block, in request order) as `(h * sub + j) * blocks + k`.
+pub(super) fn piece_ids(units: &[u64], sub: u64, hp: u64, blocks: u64) -> Vec<u64> {
+    let mut out = Vec::with_capacity(units.len() * hp as usize);
+    let first = out.len();
+    out.extend(units.iter().map(|&u| (u % sub) * blocks + u / sub));
+    // head h adds h * sub rows of `blocks` ids to head 0's ids
+    for h in 1..hp {
+        let shift = h * sub * blocks;
+        out.extend_from_within(first..first + units.len());
+        let n = out.len();
+        out[n - units.len()..].iter_mut().for_each(|id| *id += shift);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flat(rows: &[StridedRow]) -> Vec<(u64, u64)> {
+        let t = DescTable::new(rows.to_vec(), 0);
+        (0..t.len()).map(|i| t.desc(i).unwrap()).collect()
+    }
+
+    /// Pieces `(k, h, j)` of a `[4 heads, 4 tokens, 2 bytes]` page at strides 32 and 40: the id `(h * sub + j) *
+    /// 3 + k` of each resolves to the address of the formula.
+    #[test]
+    fn piece_rows_follow_the_formula() {
+        let pages = |stride| Pages {
+            name: "l",
+            base: 1000,
+            block_len: 32,
+            block_stride: stride,
+            num_blocks: 3,
+            device: 0,
+        };
+        for stride in [32u64, 40] {
+            for (first, hp) in [(0u64, 4u64), (2, 2), (1, 1)] {
+                for sub in [1u64, 2, 4] {
+                    let got = flat(&piece_rows(pages(stride), 4, (first, hp), sub).unwrap());
+                    let piece = 8 / sub;
+                    assert_eq!(got.len() as u64, 3 * hp * sub);
+                    for (k, h, j) in (0..3).flat_map(|k| (0..hp).flat_map(move |h| (0..sub).map(move |j| (k, h, j)))) {
+                        let id = ((h * sub + j) * 3 + k) as usize;
+                        let want = (1000 + k * stride + (first + h) * 8 + j * piece, piece);
+                        assert_eq!(
+                            got[id], want,
+                            "stride {stride} first {first} hp {hp} sub {sub} ({k}, {h}, {j})"
+                        );
+                    }
+                }
+            }
+        }
+        let err = piece_rows(pages(32), 4, (3, 2), 1).unwrap_err().to_string();
+        assert!(err.contains("(3, 2)") && err.contains("remote 4"), "{err}");
+        let err = piece_rows(pages(32), 3, (0, 1), 1).unwrap_err().to_string();
+        assert!(err.contains("32") && err.contains('3'), "{err}");
+    }
+
+    #[test]
+    fn piece_ids_go_head_by_head() {
+        // Units 4, 5 (kernel block 2) and 1 (block 0), 2 units per block, 2 heads, a region of 3 blocks: ids
+        // (h * 2 + j) * 3 + k.
+        assert_eq!(piece_ids(&[4, 5, 1], 2, 2, 3), [2, 5, 3, 8, 11, 9]);
+        assert_eq!(piece_ids(&[7, 3], 1, 3, 10), [7, 3, 17, 13, 27, 23]);
+    }
+}
