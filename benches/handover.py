@@ -11,7 +11,7 @@ computing its first step. Connectors run in both orders (``--orders 2``), so nei
 machine. A benchmark, not a test: nothing is asserted.
 
     PYTHONPATH=python:tests/engines ~/.venvs/hybrid-kv-vllm-cpu/bin/python benches/handover.py \\
-        --models gqa,qwen3-next --requests 32 --long 8
+        --models gqa,qwen3_next --requests 32 --long 8
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def measure(pair: PdPair, which: str, requests: int, long: int, max_tokens: int)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="gqa,qwen3-next")
+    ap.add_argument("--models", default="gqa,qwen3_next")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--long", type=int, default=8, help="long requests (1,900 tokens) one after the other")
     ap.add_argument("--max-tokens", type=int, default=8)
