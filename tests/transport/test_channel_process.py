@@ -40,10 +40,18 @@ def test_process_side_channel_serves_reads_and_forwards_controls() -> None:
         assert np.array_equal(dst, expected_after(before, src, "whole", [2, 5], [1, 6]))
         with pytest.raises(HandshakeError, match=r"serves TP rank\(s\) \[0\], not 3"):
             d.connect(1, p.address, tables_from_payload, rank=3, timeout_s=10.0)
+        p.poll()
+        assert not p.controls_waiting()
         for i in range(3):
             d.send_control(p.address, f"release r{i}".encode(), timeout_s=10.0, expected_name="P")
+        # seen without a poll (what lets an owner progress between its steps only when a peer waits), bounded
+        end = time.monotonic() + 5.0
+        while not p.controls_waiting() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert p.controls_waiting()
         ev = pump(p, lambda e: len(e.control) == 3, 5.0)
         assert [(c.sender, c.payload) for c in ev.control] == [("D", f"release r{i}".encode()) for i in range(3)]
+        assert not p.controls_waiting()
     _gone(child)
     with pytest.raises(ValueError, match="serves fixed replies: pass metadata_provider as a dict"):
         Endpoint("Q", registration(src.ctypes.data), {}, metadata_provider=lambda r: b"", side_channel="process")

@@ -175,6 +175,10 @@ class SideChannelProcess:
             out.append((sender.decode("utf-8", "replace"), payload))
         return out
 
+    def has_controls(self) -> bool:
+        """Whether a control message waits to be taken (never blocks; a few microseconds)."""
+        return bool(self._pull.poll(0, zmq.POLLIN))
+
     def alive(self) -> bool:
         """Whether the child still runs."""
         return self._proc.poll() is None

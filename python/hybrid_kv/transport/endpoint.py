@@ -348,7 +348,12 @@ class Endpoint(PeerConnections, RequestMethods):
                 f"control message to {address} was acknowledged by {acked_by!r}, expected {expected_name!r}"
             )
 
-    # ------------------------------------------------------------------ requests
+    def controls_waiting(self) -> bool:
+        """Whether an authenticated control message waits for the next ``poll()`` (never blocks): an owner that
+        progresses only while it has work checks this, so that a peer's message never waits for its next step."""
+        if self._controls:
+            return True
+        return isinstance(self._server, SideChannelProcess) and self._server.has_controls()
 
     # ------------------------------------------------------------------ internals
 

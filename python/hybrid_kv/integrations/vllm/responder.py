@@ -4,10 +4,11 @@ vLLM calls a connector's worker once per step, and under load a step is a forwar
 CPU. A prefill worker that answered lease claims and progressed NIXL only then made every decode wait for its
 next step, twice per request (the claim, then the READ, which software transports move only while both sides
 progress): in real engines under 16 concurrent requests the handover took 2.2 s against NixlConnector's 70 ms,
-whose NIXL agent has a progress thread. So while a worker has leases, loads, pushes or messages in flight, a
+whose NIXL agent has a progress thread. So while a worker has leases, loads, pushes or messages in flight or arrived, a
 thread runs the worker's progress (``work``) every ``PERIOD_S`` under the worker's lock (the same lock vLLM's
-calls take, so the state is never touched by two threads at once); with nothing in flight it sleeps, woken by
-``kick`` when a step adds work.
+calls take, so the state is never touched by two threads at once); with nothing in flight it checks every ``IDLE_S`` (a
+claim can come before its lease, which vLLM hands the worker only at its next step: 0.7 s later under load), woken
+at once by ``kick`` when a step adds work.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 
 PERIOD_S = 0.002
 """How often the worker progresses while it has work in flight (a few percent of a core)."""
-IDLE_S = 0.05
-"""How often an idle responder checks for work nobody kicked it for (leases arrive with vLLM's steps)."""
+IDLE_S = 0.005
+"""How often an idle responder checks for work nobody kicked it for: a peer's control message (a claim that came
+before its lease, which vLLM hands the worker only at its next step) or a lease; the check takes microseconds."""
 
 
 class Responder:

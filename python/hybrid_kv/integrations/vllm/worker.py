@@ -321,7 +321,8 @@ class WorkerHalf:
 
     def _busy(self) -> bool:
         """Whether a peer may be waiting on this worker: leases a decode may claim and read, requests posted or
-        awaited, loads waiting for claims, registrations or held blocks, control messages in flight."""
+        awaited, loads waiting for claims, registrations or held blocks, control messages in flight or arrived (a
+        claim may come before this worker is told of its lease, which vLLM does only at its next step)."""
         reg = self.reg
         if reg is None:
             return False
@@ -331,6 +332,7 @@ class WorkerHalf:
             or (self.pull is not None and self.pull.waits)
             or (self.push_recv is not None and (self.push_recv.waits or self.push_recv.held))
             or reg.outbox.pending()
+            or reg.ep.controls_waiting()
         )
 
     def _progress(self) -> None:
