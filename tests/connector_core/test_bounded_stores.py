@@ -137,8 +137,10 @@ def test_a_claim_ahead_of_its_lease_is_confirmed_from_its_ticket() -> None:
     wall = 1.7e9 + t[0]
     ticket = Ticket(1, "prefill", "p-0", GRANT, [[4, 5]], "127.0.0.1", 5600, 1, 16, wall + 30, wall + 90, "pull")
     text = key.issue(ticket)
+    assert book.ahead_count() == 0
     lease = book.claim("decode", ClaimEntry("p-0", GRANT, "d-0", ticket=text))
     assert not isinstance(lease, str) and lease is not None and lease.block_ids == [[4, 5]]
+    assert book.ahead_count() == 1  # the decode may read it now: the worker progresses until the lease comes
     assert book.expires_at(lease) == pytest.approx(wall + 30)
     assert "held by 'decode'" in str(book.claim("replayer", ClaimEntry("p-0", GRANT, "e-0", ticket=text)))
     assert "another request's ticket" in str(book.claim("decode", ClaimEntry("p-1", GRANT, "d-1", ticket=text)))
@@ -148,6 +150,20 @@ def test_a_claim_ahead_of_its_lease_is_confirmed_from_its_ticket() -> None:
     forged = TicketKey(b"another-deployment-secret-32-bytes!!").issue(ticket)
     assert "does not verify" in str(book.claim("decode", ClaimEntry("p-0", GRANT, "d-0", ticket=forged)))
     book.add("p-0", SendLease([[4, 5]], 30.0, GRANT, 60.0))
-    assert book.leases["p-0"].holder == "decode"
+    assert book.leases["p-0"].holder == "decode" and book.ahead_count() == 0
+    book.claim(
+        "decode",
+        ClaimEntry(
+            "p-3",
+            GRANT,
+            "d-3",
+            ticket=key.issue(
+                Ticket(1, "prefill", "p-3", GRANT, [[7]], "127.0.0.1", 5600, 1, 16, wall + 30, wall + 90, "pull")
+            ),
+        ),
+    )
+    assert book.ahead_count() == 1
+    t[0] += 91  # its lease never came (the request was aborted): forgotten after its ticket's latest end
+    assert book.ahead_count() == 0
     unkeyed = LeaseBook("prefill-tp0", tickets=TicketKey(None), engine_id="prefill")  # insecure: no ticket trusted
     assert unkeyed.claim("decode", ClaimEntry("p-0", GRANT, "d-0", ticket=text)) is None

@@ -123,6 +123,14 @@ class LeaseBook:
     def __len__(self) -> int:
         return len(self.leases)
 
+    def ahead_count(self) -> int:
+        """Leases confirmed from their ticket before this worker was told of them: a decode may be reading them now,
+        so the worker must progress NIXL (past their ticket's latest end they are forgotten)."""
+        now = self._clock()
+        while self._ahead and next(iter(self._ahead.values()))[2] <= now:
+            self._ahead.popitem(last=False)
+        return len(self._ahead)
+
     def early_count(self) -> int:
         return len(self.early)
 

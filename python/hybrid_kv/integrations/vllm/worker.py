@@ -328,6 +328,7 @@ class WorkerHalf:
             return False
         return bool(
             len(self.leases)
+            or self.leases.ahead_count()
             or reg.inflight
             or (self.pull is not None and self.pull.waits)
             or (self.push_recv is not None and (self.push_recv.waits or self.push_recv.held))
