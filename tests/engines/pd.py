@@ -151,6 +151,7 @@ class PdPair:
         env: dict[str, str] | None = None,
         decode_tp: int = 1,
         prefill_args: list[str] | None = None,
+        decode_args: list[str] | None = None,
     ) -> PdPair:
         ktc, extra = CONNECTORS[connector]
         engines = []
@@ -185,8 +186,7 @@ class PdPair:
                 e_env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
             e_env.update(env or {})
             args = list(extra_args or [])
-            if role == "prefill":
-                args += list(prefill_args or [])
+            args += list((prefill_args if role == "prefill" else decode_args) or [])
             if tp > 1:
                 args += ["--tensor-parallel-size", str(tp)]
             e = Engine(f"{model_name}-{connector}-{role}", model, log_dir, cfg, args, e_env)

@@ -85,3 +85,16 @@ def test_compat_hash_covers_the_connector_wire_version(
     # another backend is another hash (vLLM's NixlConnector hashes its backend name too)
     other = layout.compat_factors(vc, "pull", "SOME_OTHER_BACKEND")
     assert compat_hash(json.dumps(other, sort_keys=True)) != compat_hash(json.dumps(bumped, sort_keys=True))
+
+
+def test_compat_hash_covers_the_kernel_block_of_pages_only_transferred_whole(model_dirs: dict[str, str]) -> None:
+    """vLLM's CPU attention pages cannot be cut into token units (``UNCUT_PAGE_BACKENDS``): engines of other kernel
+    blocks hash differently; for other backends the kernel block is left to the handshake."""
+    vc, _, _ = build(spec("gqa", model_dirs))
+
+    def h(backend: str, kernel_block: int) -> str:
+        return compat_hash(json.dumps(layout.compat_factors(vc, "pull", backend, kernel_block), sort_keys=True))
+
+    assert h("CPU_ATTN", 64) != h("CPU_ATTN", 128)
+    assert h("CPU_ATTN,GDN_ATTN", 384) != h("CPU_ATTN,GDN_ATTN", 768)
+    assert h("FLASH_ATTN", 64) == h("FLASH_ATTN", 128)

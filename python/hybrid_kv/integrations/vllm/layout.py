@@ -23,6 +23,7 @@ __all__ = [
     "CONNECTOR_WIRE_VERSION",
     "CONV_LAYOUT_ENV",
     "RankGeometry",
+    "UNCUT_PAGE_BACKENDS",
     "UNKNOWN_BACKEND",
     "attention_backends",
     "check_conv_layout",
@@ -316,12 +317,26 @@ def engine_facts(vllm_config: Any, layer_names: list[str]) -> tuple[str, str]:
     return str(layout), attention_backends(vllm_config, layer_names)
 
 
-def compat_factors(vllm_config: Any, mode: str, attn_backend: str | None = None) -> dict[str, Any]:
+UNCUT_PAGE_BACKENDS = frozenset({"CPU_ATTN"})
+"""Attention backends whose kernel pages are not ``[heads, tokens, cell]`` inside, so no token range of a page is
+a byte range: vLLM's CPU attention (``cpu_attn.py``) views its ``[blocks, heads, tokens, 2 * head_size]`` cache
+as each head's K rows then V rows, and its kernel (``cpu_attn_reshape_and_cache``) stores K transposed, element
+by element over the block's tokens (seen with the ``vec`` ISA: K element ``e`` of token ``t`` of a 64-token block
+at ``e * 64 + t``). A page is then only ever transferred whole, so peers must use the same kernel block: it is
+hashed into ``compat_hash`` (``compat_factors``), and engines of different kernel blocks refuse each other at
+the handshake instead of cutting such pages into token units of the wrong bytes."""
+
+
+def compat_factors(
+    vllm_config: Any, mode: str, attn_backend: str | None = None, kernel_block_size: int | None = None
+) -> dict[str, Any]:
     """The model factors both engines must share (hashed into the handshake's ``compat_hash``).
 
     ``attn_backend``: the registered layers' backends (``engine_facts``; every attention layer's when None),
     hashed with vLLM's version. The connector's wire version is the ``connector`` factor. TP size, block sizes
-    and layouts are not hashed: the handshake validates them.
+    and layouts are not hashed: the handshake validates them, except the kernel block of backends whose pages are
+    only transferred whole (``UNCUT_PAGE_BACKENDS``; ``kernel_block_size``, when given, in the ``attn_backend``
+    factor).
     """
     from vllm import __version__ as vllm_version
 
@@ -329,6 +344,8 @@ def compat_factors(vllm_config: Any, mode: str, attn_backend: str | None = None)
     cc = vllm_config.cache_config
     spec = vllm_config.speculative_config
     speculative = [] if spec is None else [f"method={spec.method}", f"model={getattr(spec, 'model', None)}"]
+    backend = attn_backend or attention_backends(vllm_config)
+    whole = kernel_block_size is not None and bool(UNCUT_PAGE_BACKENDS & set(backend.split(",")))
     return {
         "model": str(mc.model),
         "dtype": str(mc.dtype),
@@ -336,7 +353,7 @@ def compat_factors(vllm_config: Any, mode: str, attn_backend: str | None = None)
         "total_num_kv_heads": int(mc.get_total_num_kv_heads()),
         "head_size": int(mc.get_head_size()),
         "num_hidden_layers": int(mc.get_total_num_hidden_layers()),
-        "attn_backend": f"{attn_backend or attention_backends(vllm_config)}@vllm-{vllm_version}",
+        "attn_backend": f"{backend}@vllm-{vllm_version}" + (f" whole {kernel_block_size}-token pages" if whole else ""),
         "hma": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "speculative": speculative,
         "transfer_mode": mode,

@@ -103,7 +103,7 @@ class WorkerHalf:
         )
         # what vLLM applied (the layout it allocated with, the registered layers' backends), as NixlConnector reads it
         kv_layout, attn_backend = engine_facts(self.vllm_config, list(kv_caches))
-        factors = compat_factors(self.vllm_config, cfg.mode, attn_backend)
+        factors = compat_factors(self.vllm_config, cfg.mode, attn_backend, geometry.kernel_block_size)
         info = {
             "engine_id": self.engine_id,
             "agent_metadata": [],
