@@ -126,10 +126,13 @@ class LeaseBook:
     def ahead_count(self) -> int:
         """Leases confirmed from their ticket before this worker was told of them: a decode may be reading them now,
         so the worker must progress NIXL (past their ticket's latest end they are forgotten)."""
-        now = self._clock()
-        while self._ahead and next(iter(self._ahead.values()))[2] <= now:
-            self._ahead.popitem(last=False)
+        self._forget_ahead(self._clock())
         return len(self._ahead)
+
+    def _forget_ahead(self, now: float) -> None:
+        """Drop leases confirmed ahead past their ticket's latest end, and the oldest past ``MAX_CLAIMED_AHEAD``."""
+        while len(self._ahead) > MAX_CLAIMED_AHEAD or (self._ahead and next(iter(self._ahead.values()))[2] <= now):
+            self._ahead.popitem(last=False)
 
     def early_count(self) -> int:
         return len(self.early)
@@ -245,8 +248,7 @@ class LeaseBook:
             return f"the lease of {entry.req!r} ends in {max(0.0, left):.1f} s, too soon to read"
         now = self._clock()
         self._ahead[entry.req] = (engine, ticket.grant, now + (ticket.max_expires_at - self._wall()))
-        while len(self._ahead) > MAX_CLAIMED_AHEAD or (self._ahead and next(iter(self._ahead.values()))[2] <= now):
-            self._ahead.popitem(last=False)
+        self._forget_ahead(now)
         return Lease(ticket.block_ids, ticket.grant, now + left, now + left, holder=engine)
 
     def expires_at(self, lease: Lease) -> float:
