@@ -37,19 +37,28 @@ class TransferError(HybridKvError):
         request_id: the request this error belongs to (``None`` when not tied to one request).
         failed: the transfers (``hybrid_kv.transport.Transfer``) whose bytes are not known to have
             landed, with their local and remote descriptor ids, so an engine can recompute them.
+        settled: whether no byte of the request can land any more. For a posted request: every transfer of it
+            ended or was cancelled (``False``: NIXL would not cancel one). For an awaited (push) request: every
+            writer either landed everything or said it failed (a fail-notice is sent only once nothing of the
+            writer's is in flight); ``False``: a writer may still be writing into its blocks until its deadline.
     """
 
-    def __init__(self, message: str, *, request_id: str | None = None, failed: Sequence[Any] = ()) -> None:
+    def __init__(
+        self, message: str, *, request_id: str | None = None, failed: Sequence[Any] = (), settled: bool = False
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.failed = tuple(failed)
+        self.settled = settled
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), str(self), self.request_id, self.failed))
+        return (_rebuild, (type(self), str(self), self.request_id, self.failed, self.settled))
 
 
-def _rebuild(cls: type[TransferError], message: str, request_id: str | None, failed: tuple[Any, ...]) -> TransferError:
-    return cls(message, request_id=request_id, failed=failed)
+def _rebuild(
+    cls: type[TransferError], message: str, request_id: str | None, failed: tuple[Any, ...], settled: bool = False
+) -> TransferError:
+    return cls(message, request_id=request_id, failed=failed, settled=settled)
 
 
 class ChannelError(HybridKvError):

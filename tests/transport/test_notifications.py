@@ -146,6 +146,30 @@ def test_a_passive_request_fails_only_from_its_writers(trio: tuple[Endpoint, End
     assert h.state is RequestState.FAILED and "real" in str(ev.failed[0])
 
 
+def test_a_fail_notice_settles_the_request_only_when_no_other_writer_may_still_write(
+    trio: tuple[Endpoint, Endpoint, Endpoint],
+) -> None:
+    """A decode that gave up on a push held its blocks until the registration's end (600 s in the real-engine
+    streaming test, whose decode then never answered) even when its only writer said it failed. A fail-notice is
+    its writer's last word, so the request is ``settled`` (its blocks may be freed at once) when every writer
+    landed everything or failed; a writer that has said nothing may still be writing."""
+    p, d, x = trio
+    alone = d.expect("alone", 30.0, writers=["P"])
+    both = d.expect("both", 30.0, writers=["P", "X"])
+    after_landed = d.expect("after-landed", 30.0, writers=["P", "X"])
+    _send(x, notifications.done_message("after-landed", 0, 1))
+    _settle(d, [p, x])
+    for rid in ("alone", "both", "after-landed"):
+        _send(p, notifications.fail_message(rid, "posting returned ERR"))
+    ev = pump(d, lambda e: len(e.failed) == 3, 3.0, others=[p, x])
+    settled = {e.request_id: e.settled for e in ev.failed}
+    assert settled == {"alone": True, "both": False, "after-landed": True}
+    assert {alone.state, both.state, after_landed.state} == {RequestState.FAILED}
+    deadline = d.expect("deadline", 0.1, writers=["P"])
+    ev = pump(d, lambda e: e.failed, 3.0, others=[p, x])
+    assert deadline.state is RequestState.FAILED and ev.failed[0].settled is False  # P may still be writing
+
+
 def test_partial_done_sets_are_capped_per_sender(
     trio: tuple[Endpoint, Endpoint, Endpoint], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,12 +84,42 @@ def test_a_failing_stage_fails_the_whole_request_and_its_peer(push_pair: Pair, m
     p.release("req", 2)  # stage 1 fails at posting
     monkeypatch.setattr(p._agent.nixl, "transfer", real)
     ev = pump(p, lambda e: e.failed, 3.0, others=[d])
-    assert h.state is RequestState.FAILED and "posting transfer 1" in str(ev.failed[0])
+    assert h.state is RequestState.FAILED and "posting transfer 1" in str(ev.failed[0]) and ev.failed[0].settled
     assert [t.local_ids.tolist() for t in ev.failed[0].failed] == [[1], [2]]
     assert not p.release("req", 3), "a failed request posts nothing more"
     pump(d, lambda e: waiting.state is RequestState.FAILED, 3.0, others=[p])  # its event may be taken above
     assert waiting.error is not None and "posting transfer 1 to peer 0 returned ERR" in str(waiting.error)
+    assert waiting.error.settled, "its only writer said it failed: nothing of it can land any more"
     assert np.array_equal(dst[6 * 256 : 7 * 256], before[6 * 256 : 7 * 256]), "stage 2 was never written"
+
+
+def test_a_writer_with_a_transfer_it_could_not_cancel_sends_no_fail_notice(
+    push_pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fail-notice tells the decode that nothing of the writer's is in flight (it frees the blocks on it), so a
+    writer whose transfer NIXL would not cancel stays silent: the decode waits for its deadline, unsettled."""
+    from hybrid_kv.transport.agent import NIXL_ERRORS
+
+    p, d, _, _ = push_pair
+    waiting = d.expect("req", 1.0, writers={"P"})
+    h = p.post("req", [(0, "whole", "whole", ids(0), ids(4))], "WRITE", 30.0, stages=[0])
+    real_release = p._agent.nixl.release_xfer_handle
+    monkeypatch.setattr(p._agent.nixl, "transfer", lambda xfer, *a, **k: "PROC")  # "in flight", never done
+    monkeypatch.setattr(p._agent.nixl, "check_xfer_state", lambda xfer: "PROC")
+    p.release("req", 1)
+
+    def refuse(xfer: object) -> None:
+        raise NIXL_ERRORS[0]("still in progress")
+
+    monkeypatch.setattr(p._agent.nixl, "release_xfer_handle", refuse)
+    assert p.cancel("req", "the engine aborted it")
+    assert h.state is RequestState.FAILED and p.handle_counts()["zombie_xfer"] == 1
+    assert h.error is not None and not h.error.settled, "a transfer of it may still land"
+    ev = pump(d, lambda e: e.failed, 3.0, others=[p])
+    assert "deadline exceeded" in str(ev.failed[0]) and not ev.failed[0].settled, "no fail-notice came"
+    assert waiting.state is RequestState.FAILED
+    monkeypatch.setattr(p._agent.nixl, "release_xfer_handle", real_release)
+    p._agent.reap_zombies()
 
 
 def test_stages_must_name_one_stage_per_transfer(push_pair: Pair) -> None:

@@ -68,7 +68,8 @@ class RequestMethods(EndpointBase):
     @locked
     def cancel(self, request_id: str, reason: str) -> bool:
         """Fail live request ``request_id`` now, as any failure (its ready peers are told; the next ``poll()``
-        reports it); whether it was live. Transfers already posted may still land: the peer fails it anyway."""
+        reports it); whether it was live. Its posted transfers are cancelled; one NIXL will not cancel may still
+        land, and then its peers are not told (a fail-notice says nothing of ours is in flight)."""
         self._check_open()
         return self._requests.cancel(request_id, reason)
 

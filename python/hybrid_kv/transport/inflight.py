@@ -10,6 +10,7 @@ happens is collected in ``events`` until the endpoint's next ``poll()``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from .requests import Op, PeerKey, PollResult, RequestHandle, RequestState, Tran
 from .tables import CheckedTable, check_ids, check_pairs
 
 __all__ = ["InFlight"]
+
+log = logging.getLogger(__name__)
 
 
 class InFlight:
@@ -161,7 +164,9 @@ class InFlight:
         """``sender`` reported ``request_id`` failed: fail the passive request awaiting it; whether one did."""
         req = self._by_id.get(request_id)
         if req is not None and req.op is None and not req.finished:
-            self.fail(req, f"peer {sender!r} failed: {reason}", notify=False)
+            # a writer's fail-notice is its last word (``fail`` sends it only with nothing of its in flight)
+            settled = len(set(req._seen) | {sender}) >= req._senders
+            self.fail(req, f"peer {sender!r} failed: {reason}", notify=False, settled=settled)
             return True
         return False
 
@@ -179,20 +184,34 @@ class InFlight:
                 self.fail(req, reason)
         self._by_id.clear()
 
-    def fail(self, req: RequestHandle, reason: str, notify: bool = True) -> None:
-        """Fail ``req``: release its handles, report it, and (``notify``) tell its ready peers."""
+    def fail(self, req: RequestHandle, reason: str, notify: bool = True, settled: bool = False) -> None:
+        """Fail ``req``: release its handles, report it, and (``notify``) tell its ready peers, but only when
+        every handle was released: a fail-notice says nothing of ours for the request is in flight any more (a
+        decode frees the request's blocks on it), so with a transfer NIXL could not cancel the peers are left
+        to their deadline. ``settled`` (passive requests; an active one is settled when every handle was released):
+        see ``TransferError.settled``."""
         if req.finished:
             return
         failed = [t for i, t in enumerate(req.transfers) if not (i < len(req._done) and req._done[i])]
+        zombies = len(self._agent.zombies)
         for i in range(len(req._xfers)):
             self._release(req, i)
+        quiet = len(self._agent.zombies) == zombies
+        if req.op is not None:  # ours: settled when nothing of it is in flight any more
+            settled = quiet
         req.state = RequestState.FAILED
         req.error = TransferError(
-            f"request {req.request_id!r} failed: {reason}", request_id=req.request_id, failed=failed
+            f"request {req.request_id!r} failed: {reason}", request_id=req.request_id, failed=failed, settled=settled
         )
         self._by_id.pop(req.request_id, None)
         self.events.failed.append(req.error)
-        if notify and req.op is not None:
+        if notify and req.op is not None and not quiet:
+            log.warning(
+                "hybrid-kv: request %r failed with a transfer NIXL could not cancel; its peers are not told, so they "
+                "hold its blocks until their deadline",
+                req.request_id,
+            )
+        elif notify and req.op is not None:
             msg = notifications.fail_message(req.request_id, reason.replace("\n", " "))
             for key in req.peers:
                 peer = self._peers.get(key)

@@ -136,7 +136,7 @@ class PushRecv:
         if err is None:
             self.reg.completion.received(job.request_id)
             return
-        self._give_up(wait, str(err))
+        self._give_up(wait, str(err), settled=err.settled)
 
     def on_delivery(self, d: Delivery) -> None:
         """A registration never acknowledged: no plan may come, so the request fails now (its blocks held)."""
@@ -158,10 +158,17 @@ class PushRecv:
                 del self.held[rid]
                 self.reg.completion.recv_failed(rid, ids)
 
-    def _give_up(self, wait: PushWait, reason: str) -> None:
-        """``wait``'s request failed: logged now, reported (its blocks freed) once no write can land any more."""
+    def _give_up(self, wait: PushWait, reason: str, settled: bool = False) -> None:
+        """``wait``'s request failed: logged now, reported (its blocks freed) once no write can land any more:
+        at once when ``settled`` (every writer landed or said it failed), else at the registration's end."""
         rid = wait.req.request_id
         self.waits.pop(rid, None)
+        if settled:
+            log.error(
+                "hybrid-kv %s: request %s cannot load: %s (no write of it is in flight)", self.reg.name, rid, reason
+            )
+            self.reg.completion.recv_failed(rid, wait.req.local_block_ids)
+            return
         free_at = wait.free_at
         log.error(
             "hybrid-kv %s: request %s cannot load: %s (its blocks are held %.1f s more, until no write can land)",
