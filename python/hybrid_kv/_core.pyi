@@ -10,6 +10,15 @@ from hybrid_kv.inputs import EngineInfo, ModelFactors
 
 __version__: str
 
+MAX_TP_SIZE: int
+"""Largest TP size accepted from anyone (``MAX_TP_SIZE`` in ``rust/core/tp.rs``; TP mappings allocate per rank)."""
+MAX_NUM_BLOCKS: int
+"""Most logical blocks in a pool: descriptor ids are int32."""
+MAX_BLOCK_TOKENS: int
+"""Largest logical or kernel block in tokens."""
+MAX_GROUPS: int
+"""Most KV-cache groups a peer may advertise: a ticket, a registration or a claim naming more is refused."""
+
 class HybridKvError(Exception):
     """Base class of every hybrid-kv error."""
 

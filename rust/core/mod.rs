@@ -1,6 +1,8 @@
 //! The pure planning core: plain integers in, plain integers out; it never dereferences an address.
 #![forbid(unsafe_code)]
 
+/// Hostile inputs for the hardening tests and fuzz benches (not in the wheel: `test-support` feature).
+#[cfg(any(test, feature = "test-support"))]
 pub mod adversary;
 pub mod alias;
 pub mod coalesce;
@@ -27,6 +29,8 @@ pub use layout::{LayerInput, LayerMemory, MemType, RankLayout};
 pub use meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode, META_VERSION};
 pub use region::{GroupKind, LayerPlace, Region, RegionTable};
 pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec};
+/// Small specs and layouts for tests and benches (not in the wheel: `test-support` feature).
+#[cfg(any(test, feature = "test-support"))]
 pub mod fixtures;
 mod natural;
 

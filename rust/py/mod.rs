@@ -20,6 +20,8 @@ mod id_pairs;
 #[cfg(feature = "python")]
 mod ids;
 #[cfg(feature = "python")]
+mod limits;
+#[cfg(feature = "python")]
 mod plan;
 #[cfg(feature = "python")]
 mod region;
@@ -73,6 +75,7 @@ mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        limits::register(m)?;
         errors::register(m)
     }
 }
