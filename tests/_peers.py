@@ -89,7 +89,7 @@ def pump(ep: Any, until: Callable[[Any], bool], timeout_s: float, others: Iterab
     end = time.monotonic() + timeout_s
     while True:
         ev = ep.poll()
-        for name in ("done", "failed", "remote_done", "remote_failed", "control", "notifs"):
+        for name in ("done", "failed", "remote_done", "remote_failed", "control", "notifs", "settled"):
             getattr(acc, name).extend(getattr(ev, name))
         for other in others:
             other.poll()

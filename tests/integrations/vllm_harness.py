@@ -512,6 +512,7 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
         mem_types = sorted({tensor_memory(v, n)["mem_type"] for n, v in kv_caches.items()})
         conn.send(("ok", {"blocks": kv_cfg.num_blocks, "mem_types": mem_types}))
         before: Any = mem.snapshot()
+        stuck: Any = None  # the real NIXL calls while "stick" is on
         while True:
             cmd, *args = conn.recv()
             if cmd == "stop":
@@ -564,6 +565,23 @@ def _worker(spec: EngineSpec, rank: int, dist_port: int, conn: Any) -> None:
                 dt = time.perf_counter() - t0
                 out = (set(res.finished_sending), set(res.finished_recving), set(res.failed_recving), invalid)
                 conn.send(("ok", (*out, None if stats is None else stats.data, dt, released)))
+            elif cmd == "stick":  # NIXL "posts" this worker's transfers without moving a byte and will not cancel
+                # them (releasing raises, as for a transfer still in progress) until called with False
+                nixl = connector.worker.server._agent.nixl
+                if args[0]:
+                    stuck = (nixl.transfer, nixl.check_xfer_state, nixl.release_xfer_handle)
+
+                    def refuse(xfer: Any) -> None:
+                        from hybrid_kv.transport.agent import NIXL_ERRORS
+
+                        raise NIXL_ERRORS[0]("still in progress")
+
+                    nixl.transfer = lambda xfer, *a, **k: "PROC"
+                    nixl.check_xfer_state = lambda xfer: "PROC"
+                    nixl.release_xfer_handle = refuse
+                else:
+                    nixl.transfer, nixl.check_xfer_state, nixl.release_xfer_handle = stuck
+                conn.send(("ok", None))
             elif cmd == "stream_state":  # prefill side: registrations kept, engines linked
                 w = connector.worker
                 conn.send(("ok", (w.leases.stream_reg_count(), sorted(w.links))))

@@ -93,15 +93,16 @@ def test_a_failing_stage_fails_the_whole_request_and_its_peer(push_pair: Pair, m
     assert np.array_equal(dst[6 * 256 : 7 * 256], before[6 * 256 : 7 * 256]), "stage 2 was never written"
 
 
-def test_a_writer_with_a_transfer_it_could_not_cancel_sends_no_fail_notice(
+def test_a_writer_tells_its_peer_of_a_failure_only_once_nixl_released_its_transfer(
     push_pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fail-notice tells the decode that nothing of the writer's is in flight (it frees the blocks on it), so a
-    writer whose transfer NIXL would not cancel stays silent: the decode waits for its deadline, unsettled."""
+    writer whose transfer NIXL would not cancel says nothing until NIXL released it; then it reports the request
+    ``settled`` and tells the peer."""
     from hybrid_kv.transport.agent import NIXL_ERRORS
 
     p, d, _, _ = push_pair
-    waiting = d.expect("req", 1.0, writers={"P"})
+    waiting = d.expect("req", 30.0, writers={"P"})
     h = p.post("req", [(0, "whole", "whole", ids(0), ids(4))], "WRITE", 30.0, stages=[0])
     real_release = p._agent.nixl.release_xfer_handle
     monkeypatch.setattr(p._agent.nixl, "transfer", lambda xfer, *a, **k: "PROC")  # "in flight", never done
@@ -113,13 +114,16 @@ def test_a_writer_with_a_transfer_it_could_not_cancel_sends_no_fail_notice(
 
     monkeypatch.setattr(p._agent.nixl, "release_xfer_handle", refuse)
     assert p.cancel("req", "the engine aborted it")
-    assert h.state is RequestState.FAILED and p.handle_counts()["zombie_xfer"] == 1
-    assert h.error is not None and not h.error.settled, "a transfer of it may still land"
+    assert h.state is RequestState.FAILED and h.error is not None and not h.error.settled, "it may still land"
+    for _ in range(30):
+        assert not p.poll().settled
+        d.poll()
+    assert waiting.state is RequestState.POSTED and p.handle_counts()["zombie_xfer"] == 1, "no fail-notice yet"
+    monkeypatch.setattr(p._agent.nixl, "release_xfer_handle", real_release)  # NIXL lets it go
+    assert pump(p, lambda e: e.settled, 3.0).settled == ["req"]
     ev = pump(d, lambda e: e.failed, 3.0, others=[p])
-    assert "deadline exceeded" in str(ev.failed[0]) and not ev.failed[0].settled, "no fail-notice came"
+    assert "the engine aborted it" in str(ev.failed[0]) and ev.failed[0].settled
     assert waiting.state is RequestState.FAILED
-    monkeypatch.setattr(p._agent.nixl, "release_xfer_handle", real_release)
-    p._agent.reap_zombies()
 
 
 def test_stages_must_name_one_stage_per_transfer(push_pair: Pair) -> None:

@@ -369,6 +369,7 @@ class Endpoint(PeerConnections, RequestMethods):
         self._inbox.drain()
         self._requests.progress()
         self._agent.reap_zombies()
+        self._requests.settle()
 
     def _on_peer_ready(self, peer: Peer) -> None:
         self._requests.start_queued(peer.key)

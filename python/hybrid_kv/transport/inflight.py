@@ -42,6 +42,8 @@ class InFlight:
         self._agent = agent
         self._peers = peers
         self._by_id: dict[str, RequestHandle] = {}
+        # failed request -> (its handles NIXL would not release yet, the peers to tell, the fail-notice)
+        self._unsettled: dict[str, tuple[list[Any], list[str], bytes]] = {}
         self.events = PollResult()
 
     def take_events(self) -> PollResult:
@@ -185,38 +187,55 @@ class InFlight:
         self._by_id.clear()
 
     def fail(self, req: RequestHandle, reason: str, notify: bool = True, settled: bool = False) -> None:
-        """Fail ``req``: release its handles, report it, and (``notify``) tell its ready peers, but only when
-        every handle was released: a fail-notice says nothing of ours for the request is in flight any more (a
-        decode frees the request's blocks on it), so with a transfer NIXL could not cancel the peers are left
-        to their deadline. ``settled`` (passive requests; an active one is settled when every handle was released):
-        see ``TransferError.settled``."""
+        """Fail ``req``: release its handles, report it, and (``notify``) tell its ready peers once nothing of it
+        is in flight: a fail-notice is our last word on the request (a decode frees its blocks on it), so with a
+        transfer NIXL would not cancel the notice waits until NIXL released it (``settle``). ``settled`` (passive
+        requests; an active one is settled when every handle was released): see ``TransferError.settled``."""
         if req.finished:
             return
         failed = [t for i, t in enumerate(req.transfers) if not (i < len(req._done) and req._done[i])]
-        zombies = len(self._agent.zombies)
+        handles = [x for x in req._xfers if x is not None]
         for i in range(len(req._xfers)):
             self._release(req, i)
-        quiet = len(self._agent.zombies) == zombies
+        zombies = {id(z) for z in self._agent.zombies}
+        stuck = [x for x in handles if id(x) in zombies]
         if req.op is not None:  # ours: settled when nothing of it is in flight any more
-            settled = quiet
+            settled = not stuck
         req.state = RequestState.FAILED
         req.error = TransferError(
             f"request {req.request_id!r} failed: {reason}", request_id=req.request_id, failed=failed, settled=settled
         )
         self._by_id.pop(req.request_id, None)
         self.events.failed.append(req.error)
-        if notify and req.op is not None and not quiet:
+        told: list[str] = []
+        if notify and req.op is not None:
+            peers = (self._peers.get(key) for key in req.peers)
+            told = [p.agent_name for p in peers if p is not None and p.state == "ready" and p.agent_name is not None]
+        msg = notifications.fail_message(req.request_id, reason.replace("\n", " "))
+        if stuck:
             log.warning(
-                "hybrid-kv: request %r failed with a transfer NIXL could not cancel; its peers are not told, so they "
-                "hold its blocks until their deadline",
+                "hybrid-kv: request %r failed with %d transfer(s) NIXL would not cancel; its peers are told once NIXL "
+                "releases them",
                 req.request_id,
+                len(stuck),
             )
-        elif notify and req.op is not None:
-            msg = notifications.fail_message(req.request_id, reason.replace("\n", " "))
-            for key in req.peers:
-                peer = self._peers.get(key)
-                if peer is not None and peer.state == "ready" and peer.agent_name is not None:
-                    self._agent.send_notif_quietly(peer.agent_name, msg)
+            self._unsettled[req.request_id] = (stuck, told, msg)
+            return
+        for name in told:
+            self._agent.send_notif_quietly(name, msg)
+
+    def settle(self) -> None:
+        """Report (``events.settled``) the failed requests whose stuck handles NIXL has released since, and send
+        their fail-notices now."""
+        if not self._unsettled:
+            return
+        zombies = {id(z) for z in self._agent.zombies}
+        for rid, (stuck, told, msg) in list(self._unsettled.items()):
+            if not any(id(x) in zombies for x in stuck):
+                del self._unsettled[rid]
+                self.events.settled.append(rid)
+                for name in told:
+                    self._agent.send_notif_quietly(name, msg)
 
     # ------------------------------------------------------------------ checks before posting
 

@@ -171,6 +171,9 @@ class PollResult:
         notifs: NIXL notifications that are not hybrid-kv's, as ``(sender, message)``.
         side_channel_restarted: side-channel processes started to replace one that died (``side_channel=
             "process"``; a dead one is logged and replaced in the background, on the same address).
+        settled: ids of this endpoint's failed requests that were not ``settled`` when they failed (NIXL would not
+            cancel a transfer of theirs) and whose transfers NIXL has released since: nothing of them can land
+            any more, so their buffers may be reused.
     """
 
     done: list[str] = field(default_factory=list)
@@ -180,6 +183,9 @@ class PollResult:
     control: list[ControlMessage] = field(default_factory=list)
     notifs: list[tuple[str, bytes]] = field(default_factory=list)
     side_channel_restarted: int = 0
+    settled: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return any((self.done, self.failed, self.remote_done, self.remote_failed, self.control, self.notifs))
+        return any(
+            (self.done, self.failed, self.remote_done, self.remote_failed, self.control, self.notifs, self.settled)
+        )

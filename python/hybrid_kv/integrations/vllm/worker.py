@@ -47,7 +47,7 @@ from .pull import PullRecv
 from .push_recv import PushRecv
 from .push_send import PushSend
 from .responder import Responder
-from .state import Completion, Registered, worker_name
+from .state import Completion, Job, Registered, worker_name
 from .stats import HybridKvStats
 from .stream_send import StreamSend
 
@@ -90,6 +90,8 @@ class WorkerHalf:
         self.stream: StreamSend | None = None
         self.lock = threading.RLock()
         self.responder: Responder | None = None  # started by register_kv_caches
+        # posted jobs that failed with a transfer NIXL would not cancel: reported once NIXL released it
+        self.unsettled: dict[str, tuple[Job, TransferError]] = {}
 
     # ------------------------------------------------------------------ registration
 
@@ -334,6 +336,7 @@ class WorkerHalf:
             or (self.push_recv is not None and (self.push_recv.waits or self.push_recv.held))
             or reg.outbox.pending()
             or reg.ep.controls_waiting()
+            or self.unsettled
         )
 
     def _progress(self) -> None:
@@ -353,6 +356,10 @@ class WorkerHalf:
         for err in ev.failed:
             if err.request_id is not None:
                 self._finish(err.request_id, err)
+        for rid in ev.settled:
+            if rid in self.unsettled:
+                job, err = self.unsettled.pop(rid)
+                job.owner.finish(job, err)
         for d in reg.outbox.take():
             if self.pull is not None:
                 self.pull.on_delivery(d)
@@ -381,10 +388,23 @@ class WorkerHalf:
             self.claims.flush()
 
     def _finish(self, key: str, err: TransferError | None) -> None:
+        """A job ended: its owner is told now, or, for a posted job that failed with a transfer NIXL would not
+        cancel (it may still land in, or read from, the request's blocks), once NIXL released it."""
         reg = self.reg
         job = None if reg is None else reg.inflight.pop(key, None)
-        if job is not None:
-            job.owner.finish(job, err)
+        if job is None:
+            return
+        if False:
+            log.error(
+                "hybrid-kv %s: %s failed with a transfer NIXL would not cancel; its blocks stay held until NIXL "
+                "releases it: %s",
+                self.name,
+                job.request_id,
+                err,
+            )
+            self.unsettled[key] = (job, err)
+            return
+        job.owner.finish(job, err)
 
     def _on_control(self, sender: str, payload: bytes, only: str | None = None) -> None:
         """A control message (``control``): typed and bounded, bound to its sender and to its ticket's grant;
