@@ -394,7 +394,7 @@ class WorkerHalf:
         job = None if reg is None else reg.inflight.pop(key, None)
         if job is None:
             return
-        if False:
+        if err is not None and not err.settled and job.handle is not None:
             log.error(
                 "hybrid-kv %s: %s failed with a transfer NIXL would not cancel; its blocks stay held until NIXL "
                 "releases it: %s",
