@@ -11,10 +11,11 @@ use serde::{Deserialize, Serialize};
 use super::alias::{can_alias, check_aliases, check_no_overlap};
 use super::coalesce::ChunkedBases;
 use super::error::LayoutError;
+use super::handshake::MAX_KERNEL_BLOCKS;
 use super::kv_layout::{rank_page_order, LayerOrder, PageOrder};
 use super::layout::{LayerInput, MemType, RankLayout};
 use super::natural::natural_cmp;
-use super::spec::{ConvSplit, LayerSpec};
+use super::spec::{ConvSplit, LayerSpec, StatePart};
 
 /// What a KV-cache group holds, which decides how it is split across TP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -74,6 +75,13 @@ pub struct Region {
     pub group: Option<u32>,
     /// Whether some sharer is an SSM layer.
     pub has_ssm: bool,
+    /// The part of an SSM state this region's tensor holds (`None`: whole states, or no SSM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_part: Option<StatePart>,
+    /// States an SSM region's tensor holds when it declares its own count (a slot-indexed state pool beside a
+    /// page pool); `None`: the rank's logical blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub states: Option<u64>,
 }
 
 /// Where one layer's KV lives: the region (tensor) it maps and its KV-cache group. In a hybrid (HMA) pool
@@ -163,12 +171,12 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
     let block_len = page / geo.ppl;
     let mem = &layer.memory;
     let (block_stride, holds, unit_len, unit_stride) = if layer.spec.is_ssm() {
-        // SSM views are indexed by logical block (one whole state each).
+        // SSM views are indexed by logical block (one whole state each), or by the tensor's own state slots.
         let stride = if mem.block_stride == 0 { page } else { mem.block_stride };
         if stride % geo.ppl != 0 {
             return Err(not_div("stride", stride));
         }
-        (stride / geo.ppl, geo.num_logical_blocks, page, stride)
+        (stride / geo.ppl, ssm_states(layer, geo)?, page, stride)
     } else {
         let stride = if mem.block_stride == 0 {
             block_len
@@ -208,16 +216,35 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
             needed,
         });
     }
-    let num_blocks = if layer.spec.is_ssm() {
-        geo.num_kernel_blocks
-    } else {
-        holds
+    let num_blocks = match (layer.spec.is_ssm(), mem.num_blocks) {
+        // checked against MAX_KERNEL_BLOCKS by `ssm_states`, so the product fits
+        (true, Some(states)) => states.saturating_mul(geo.ppl),
+        (true, None) => geo.num_kernel_blocks,
+        (false, _) => holds,
     };
     Ok(LayerView {
         block_len,
         block_stride,
         num_blocks,
     })
+}
+
+/// States an SSM layer's tensor holds: its own `num_blocks` (a slot-indexed state pool beside a page pool, as
+/// SGLang's `MambaPool`), at most [`MAX_KERNEL_BLOCKS`] kernel blocks' worth, or the rank's logical blocks.
+fn ssm_states(layer: &LayerInput, geo: &BlockGeometry) -> Result<u64, LayoutError> {
+    let Some(states) = layer.memory.num_blocks else {
+        return Ok(geo.num_logical_blocks);
+    };
+    if states.checked_mul(geo.ppl).is_none_or(|k| k > MAX_KERNEL_BLOCKS) {
+        return Err(LayoutError::BadField {
+            at: format!("layer {:?} memory.num_blocks", layer.name),
+            reason: format!(
+                "{states} states of {} kernel blocks each exceed the limit of {MAX_KERNEL_BLOCKS} kernel blocks",
+                geo.ppl
+            ),
+        });
+    }
+    Ok(states)
 }
 
 fn geometry(layout: &RankLayout) -> Result<BlockGeometry, LayoutError> {
@@ -293,6 +320,48 @@ fn group_kinds(layers: &[&LayerInput]) -> Result<Vec<GroupKind>, LayoutError> {
         .collect()
 }
 
+/// Split states must be whole: each conv sub-projection in as many SSM regions as hold the temporal state, and
+/// whole-state regions not mixed with parts (every state layer of a rank is stored one way).
+fn check_state_parts(regions: &[Region], ssm_regions: &[usize], projs: usize) -> Result<(), LayoutError> {
+    let parts: Vec<&Region> = ssm_regions.iter().map(|&i| &regions[i]).collect();
+    let split = parts.iter().filter(|r| r.state_part.is_some()).count();
+    if split == 0 {
+        return Ok(());
+    }
+    if split != parts.len() {
+        let whole = parts.iter().find(|r| r.state_part.is_none()).map_or("", |r| &r.name);
+        return Err(LayoutError::BadSsmSpec {
+            layer: whole.to_string(),
+            reason: "it holds whole states while other state layers hold parts (conv, temporal) of theirs".into(),
+        });
+    }
+    let temporal = parts
+        .iter()
+        .filter(|r| r.state_part == Some(StatePart::Temporal))
+        .count();
+    let mut conv = [0usize; super::spec::MAX_CONV_PROJS];
+    for r in &parts {
+        if let Some(StatePart::Conv(projs)) = &r.state_part {
+            for &p in projs {
+                if let Some(c) = conv.get_mut(p as usize) {
+                    *c += 1;
+                }
+            }
+        }
+    }
+    let used = projs.min(conv.len());
+    if temporal == 0 || conv[..used].iter().any(|&c| c != temporal) {
+        return Err(LayoutError::BadSsmSpec {
+            layer: parts[0].name.clone(),
+            reason: format!(
+                "split states are not whole: {temporal} temporal tensors but conv tensors per sub-projection {:?}",
+                &conv[..used]
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl RegionTable {
     /// Build the region table of one rank.
     ///
@@ -334,6 +403,7 @@ impl RegionTable {
         let mut ssm_regions: Vec<usize> = Vec::new();
         let mut conv_split: Option<(ConvSplit, &str)> = None;
         let mut places: Vec<LayerPlace> = Vec::with_capacity(layers.len());
+        let mut own_counts = false; // some SSM layer declares its own state count
 
         for layer in &layers {
             let mem = &layer.memory;
@@ -411,6 +481,8 @@ impl RegionTable {
                         is_mla,
                         group: Some(layer.group),
                         has_ssm: false,
+                        state_part: None,
+                        states: None,
                     });
                     regions.len() - 1
                 }
@@ -421,8 +493,23 @@ impl RegionTable {
                 group: layer.group,
                 is_ssm: layer.spec.is_ssm(),
             });
-            if layer.spec.is_ssm() {
-                regions[idx].has_ssm = true;
+            if let LayerSpec::Ssm(ssm) = &layer.spec {
+                let r = &mut regions[idx];
+                if r.has_ssm && r.state_part != ssm.part {
+                    return Err(LayoutError::BadSsmSpec {
+                        layer: layer.name.clone(),
+                        reason: format!(
+                            "it holds state part {:?} of a tensor whose other layers hold {:?}",
+                            ssm.part, r.state_part
+                        ),
+                    });
+                }
+                r.has_ssm = true;
+                r.state_part.clone_from(&ssm.part);
+                if let Some(states) = layer.memory.num_blocks {
+                    own_counts = true;
+                    r.states = Some(states); // bounded by `ssm_states`; sharers agree (same kernel block count)
+                }
                 if !ssm_regions.contains(&idx) {
                     ssm_regions.push(idx);
                 }
@@ -432,7 +519,14 @@ impl RegionTable {
         check_no_overlap(&regions)?;
         let use_mla = groups.contains(&GroupKind::Mla) && !groups.contains(&GroupKind::Attention);
         let has_ssm = conv_split.is_some();
-        if has_ssm {
+        check_state_parts(
+            &regions,
+            &ssm_regions,
+            conv_split.as_ref().map_or(0, |(s, _)| s.proj_bytes.len()),
+        )?;
+        // A state tensor of its own slot count is a pool of its own (SGLang's `MambaPool` beside its page pool):
+        // every region keeps its count. Otherwise the states are the pool's logical blocks, as in vLLM.
+        if has_ssm && !own_counts {
             // Mamba forces uniform kernel block counts (vLLM does the same).
             for r in &mut regions {
                 r.num_blocks = geo.num_kernel_blocks;

@@ -51,6 +51,41 @@ pub enum MambaKind {
     Gdn,
 }
 
+/// How a conv state is stored in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ConvLayout {
+    /// Channels x conv rows (vLLM's and SGLang's Mamba2 layout): a channel range of a sub-projection is one range.
+    #[default]
+    Ds,
+    /// Conv rows x channels ("state-len major", SGLang's Kimi-Linear layout): a channel range is one range per row.
+    Sd,
+}
+
+impl ConvLayout {
+    fn is_ds(&self) -> bool {
+        *self == ConvLayout::Ds
+    }
+}
+
+/// Which part of an SSM state one tensor holds, for engines keeping conv and temporal state in separate tensors
+/// (SGLang's `MambaPool`: one conv tensor, or one per Q/K/V sub-projection, and one temporal tensor).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StatePart {
+    /// The conv state of these sub-projections (ascending indices into the kind's sub-projections, e.g. `[0, 1,
+    /// 2]` for one tensor of concatenated Q|K|V channels, `[1]` for a tensor of K alone).
+    Conv(Vec<u32>),
+    /// The temporal (SSM) state.
+    Temporal,
+}
+
+/// Most sub-projections a conv part may list (Mamba2's x|B|C, GDN's Q|K|V).
+pub const MAX_CONV_PROJS: usize = 3;
+/// Most conv rows of an `sd` conv state (a conv kernel of 4 keeps 3): a state's streams are one per row and
+/// sub-projection, so this bounds a table's rows.
+pub const MAX_CONV_ROWS: u64 = 64;
+
 /// A linear-attention / SSM state (one full state per logical block, never split).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -65,9 +100,17 @@ pub struct SsmSpec {
     pub temporal_shape: Vec<u64>,
     /// Bytes per temporal element.
     pub temporal_dtype_bytes: u64,
-    /// Page size (bytes per logical block) after HMA padding; defaults to the raw state size.
+    /// Page size (bytes per logical block) after HMA padding; defaults to the raw state size (of the part, for
+    /// a part).
     #[serde(default)]
     pub page_size_padded: Option<u64>,
+    /// How the conv state is stored (`ds` by default).
+    #[serde(default, skip_serializing_if = "ConvLayout::is_ds")]
+    pub conv_layout: ConvLayout,
+    /// The part of the state this layer's tensor holds; `None` (the default): the whole state in one page,
+    /// `[conv sub-projections | temporal | padding]`. The shapes stay those of the whole state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<StatePart>,
 }
 
 /// The spec of one layer's KV cache.
@@ -97,6 +140,12 @@ pub struct ConvSplit {
     pub conv_bytes: u64,
     /// Temporal state bytes on this rank.
     pub ssm_bytes: u64,
+    /// Conv rows (TP-independent; what an `sd` conv state repeats its channels over).
+    #[serde(default)]
+    pub conv_rows: u64,
+    /// How the conv state is stored.
+    #[serde(default)]
+    pub conv_layout: ConvLayout,
 }
 
 impl ConvSplit {
@@ -115,6 +164,59 @@ impl ConvSplit {
     /// Number of sub-streams per state (conv sub-projections + 1).
     pub fn num_streams(&self) -> usize {
         self.proj_bytes.len() + 1
+    }
+
+    /// Bytes of `part` of one state (the whole state for `None`).
+    pub fn part_bytes(&self, part: Option<&StatePart>) -> u64 {
+        match part {
+            None => self.conv_bytes.saturating_add(self.ssm_bytes),
+            Some(StatePart::Temporal) => self.ssm_bytes,
+            Some(StatePart::Conv(projs)) => projs
+                .iter()
+                .map(|&p| self.proj_bytes.get(p as usize).copied().unwrap_or(0))
+                .fold(0u64, u64::saturating_add),
+        }
+    }
+
+    /// `(offset, len)` of every stream of `part` (the whole state for `None`) inside its page, in page order:
+    /// each conv sub-projection the part holds (with an `sd` conv state, its channels of each conv row, row by
+    /// row), then the temporal state. A stream is a channel range of one sub-projection (or the temporal
+    /// state), so a TP share of it is one range: [`ConvSplit::streams`] for a whole `ds` state.
+    ///
+    /// Sizes were checked when the split was derived (or bounded by the handshake), so sums cannot wrap;
+    /// saturating all the same.
+    pub fn part_streams(&self, part: Option<&StatePart>) -> Vec<(u64, u64)> {
+        let all: Vec<u32> = (0..self.proj_bytes.len() as u32).collect();
+        let (projs, temporal): (&[u32], bool) = match part {
+            None => (&all, true),
+            Some(StatePart::Conv(p)) => (p, false),
+            Some(StatePart::Temporal) => (&[], true),
+        };
+        let bytes = |p: u32| self.proj_bytes.get(p as usize).copied().unwrap_or(0);
+        let mut out = Vec::new();
+        let mut conv = 0u64;
+        if self.conv_layout == ConvLayout::Sd && self.conv_rows > 0 {
+            let per_row = |p: u32| bytes(p) / self.conv_rows;
+            let row_bytes = projs.iter().map(|&p| per_row(p)).fold(0u64, u64::saturating_add);
+            for j in 0..self.conv_rows {
+                let mut off = j.saturating_mul(row_bytes);
+                for &p in projs {
+                    out.push((off, per_row(p)));
+                    off = off.saturating_add(per_row(p));
+                }
+            }
+            conv = row_bytes.saturating_mul(self.conv_rows);
+        } else {
+            for &p in projs {
+                out.push((conv, bytes(p)));
+                conv = conv.saturating_add(bytes(p));
+            }
+        }
+        if temporal {
+            // a whole state's temporal part starts at the conv bytes (every sub-projection precedes it)
+            out.push((conv, self.ssm_bytes));
+        }
+        out
     }
 }
 
@@ -188,18 +290,35 @@ impl SsmSpec {
         let ssm_bytes = checked_product(t, "temporal", layer)?
             .checked_mul(self.temporal_dtype_bytes)
             .ok_or_else(|| bad("temporal bytes overflow".into()))?;
+        if self.conv_layout == ConvLayout::Sd && conv_rows > MAX_CONV_ROWS {
+            return Err(bad(format!(
+                "an sd conv state of {conv_rows} conv rows is over the limit of {MAX_CONV_ROWS}"
+            )));
+        }
+        if let Some(StatePart::Conv(projs)) = &self.part {
+            let ascending = projs.windows(2).all(|w| w[0] < w[1]);
+            if projs.is_empty() || !ascending || projs.iter().any(|&p| p as usize >= proj_dims.len()) {
+                return Err(bad(format!(
+                    "conv part {projs:?} must list distinct ascending sub-projections below {} of kind {:?}",
+                    proj_dims.len(),
+                    self.kind
+                )));
+            }
+        }
         Ok(ConvSplit {
             proj_dims,
             proj_bytes,
             conv_bytes,
             ssm_bytes,
+            conv_rows,
+            conv_layout: self.conv_layout,
         })
     }
 
-    /// Raw state bytes (conv + temporal).
+    /// Raw bytes of the state (conv + temporal), or of the part of it this layer's tensor holds.
     pub fn state_bytes(&self, layer: &str) -> Result<u64, LayoutError> {
         let s = self.conv_split(layer)?;
-        Ok(s.conv_bytes + s.ssm_bytes)
+        Ok(s.part_bytes(self.part.as_ref()))
     }
 }
 
@@ -295,6 +414,8 @@ mod tests {
             temporal_shape: temporal.to_vec(),
             temporal_dtype_bytes: 4,
             page_size_padded: None,
+            conv_layout: ConvLayout::Ds,
+            part: None,
         }
     }
 
