@@ -39,4 +39,6 @@ mod oracle_tests;
 #[cfg(test)]
 mod region_tests;
 #[cfg(test)]
+mod state_split_tests;
+#[cfg(test)]
 pub(crate) mod stream_tests;
