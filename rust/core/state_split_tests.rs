@@ -523,3 +523,35 @@ fn split_state_metadata_round_trips_and_hostile_parts_are_refused() {
         assert!(!bytes.windows(key.len()).any(|w| w == key.as_bytes()), "{key} sent");
     }
 }
+
+#[test]
+fn the_handshake_names_split_and_layout_mismatches_and_passes_twins() {
+    use super::handshake::{validate, Expected};
+    let meta_of = |store, tp, rank| {
+        let engine = if tp == 1 { "prefill" } else { "decode" };
+        meta(
+            &RegionTable::build(&layout(store, tp, rank)).unwrap(),
+            engine,
+            TransferMode::Pull,
+        )
+    };
+    let checks = |a: &AgentMeta, b: &AgentMeta| -> Vec<String> {
+        super::handshake::findings(a, b, &Expected::default())
+            .into_iter()
+            .map(|f| f.check)
+            .collect()
+    };
+    for store in STORES {
+        let r = validate(&meta_of(store, 2, 0), &meta_of(store, 1, 0));
+        assert!(r.is_ok(), "{store:?}: {r:?}");
+    }
+    let sd = meta_of(Store::OneConv(ConvLayout::Sd), 2, 0);
+    let ds = meta_of(Store::OneConv(ConvLayout::Ds), 1, 0);
+    assert!(
+        checks(&sd, &ds).contains(&"conv_layout".to_string()),
+        "{:?}",
+        checks(&sd, &ds)
+    );
+    let three = meta_of(Store::ThreeConv(ConvLayout::Ds), 1, 0);
+    assert!(checks(&ds, &three).contains(&"state_parts".to_string()));
+}
