@@ -13,8 +13,11 @@ fastapi, its CUDA kernels), which the CPU test machines do not have. The pools a
   ``[mamba layers, size + 1, *conv_shape]`` tensor and one ``[mamba layers, size + 1, *temporal_shape]`` temporal
   tensor, indexed by the request's mamba slot (``req_index_to_mamba_index_mapping``), the shapes exactly
   ``Mamba2StateShape.create`` (Qwen3-Next's GDN: one conv tensor of Q|K|V channels, ``(conv_dim / tp, kernel - 1)``,
-  channels x rows) and ``KimiLinearStateShape.create`` (Kimi-Linear's KDA: three conv tensors, each ``(kernel - 1,
-  proj / tp)``, rows x channels) make them; conv in bfloat16, temporal in float32 (``SGLANG_MAMBA_SSM_DTYPE``).
+  channels x rows) and ``KimiLinearStateShape.create`` (Kimi-Linear's KDA: in SGLang 0.5.23 one conv tensor
+  ``(kernel - 1, (proj + 2 proj_k) / tp)``, rows x channels, its ``conv_shard_groups`` q|k|v each TP-sharded on
+  its own; in earlier SGLang three conv tensors, each ``(kernel - 1, proj / tp)``) make them; conv in bfloat16,
+  temporal in float32 (``SGLANG_MAMBA_SSM_DTYPE``). ``tests/test_sglang_pool_shapes.py`` compares them with
+  SGLang's own ``MambaPool`` where SGLang is installed.
   Each layer's slice (``conv[i][layer]``, ``temporal[layer]``) is one hybrid-kv layer holding its part of the
   state, with the pool's own slot count (``state_slots``): a few slots beside the page pool.
 
@@ -44,7 +47,9 @@ DTYPE = torch.bfloat16
 class Linear:
     """A linear-attention model's state shapes (the whole model), as SGLang's config code takes them."""
 
-    kind: str  # "gdn" (Qwen3-Next: Mamba2StateShape, one conv tensor) or "kda" (Kimi-Linear: three conv tensors)
+    # "gdn" (Qwen3-Next: Mamba2StateShape, one ds conv tensor), "kda" (Kimi-Linear, SGLang 0.5.23: one sd conv
+    # tensor) or "kda3" (Kimi-Linear in earlier SGLang: three sd conv tensors)
+    kind: str
     layers: int
     k_heads: int
     k_dim: int
@@ -73,6 +78,7 @@ MLA = Model("deepseek-mla", "mla", layers=2, heads=1, head_dim=64)
 # Kimi-Linear (KDA; 32 heads of 128), attention layers as above.
 QWEN3_NEXT = Model("qwen3-next", "mha", 1, 2, 32, Linear("gdn", layers=2, k_heads=2, k_dim=4, v_heads=4, v_dim=4))
 KIMI_LINEAR = Model("kimi-linear", "mha", 1, 2, 32, Linear("kda", layers=2, k_heads=2, k_dim=4, v_heads=2, v_dim=4))
+KIMI_LINEAR_3 = Model("kimi-linear", "mha", 1, 2, 32, Linear("kda3", layers=2, k_heads=2, k_dim=4, v_heads=2, v_dim=4))
 MAMBA_SIZE = 6  # mamba slots (``mamba_size``); the tensors hold ``size + 1``
 STATE_DTYPES = (torch.bfloat16, torch.float32)  # conv, temporal
 
@@ -86,7 +92,10 @@ def state_shapes(lin: Linear, tp: int) -> tuple[list[tuple[int, int]], tuple[int
         conv_dim = lin.v_heads * lin.v_dim + 2 * lin.k_heads * lin.k_dim
         return [(conv_dim // tp, rows)], (lin.v_heads // tp, lin.v_dim, lin.k_dim)
     proj, proj_k = lin.v_heads * lin.v_dim, lin.k_heads * lin.k_dim
-    return [(rows, proj // tp), (rows, proj_k // tp), (rows, proj_k // tp)], (lin.v_heads // tp, lin.v_dim, lin.v_dim)
+    temporal = (lin.v_heads // tp, lin.v_dim, lin.v_dim)
+    if lin.kind == "kda":
+        return [(rows, proj // tp + 2 * (proj_k // tp))], temporal
+    return [(rows, proj // tp), (rows, proj_k // tp), (rows, proj_k // tp)], temporal
 
 
 def proj_channels(lin: Linear) -> list[int]:
@@ -186,7 +195,7 @@ class Pool:
             "temporal_dtype_bytes": 4,
             "conv_layout": "ds" if lin.kind == "gdn" else "sd",
         }
-        parts: list[Any] = [{"conv": [0, 1, 2]}] if lin.kind == "gdn" else [{"conv": [i]} for i in range(3)]
+        parts: list[Any] = [{"conv": [0, 1, 2]}] if lin.kind != "kda3" else [{"conv": [i]} for i in range(3)]
         out = []
         for layer in range(lin.layers):
             name = f"model.layers.{first + layer}.linear_attn"
@@ -208,6 +217,8 @@ class Pool:
                 shares.append(conv_value(layer, p, salt, ch, rows)[r * ch // tp : (r + 1) * ch // tp])
             if lin.kind == "gdn":  # one tensor: Q|K|V channels, channels x rows
                 self.conv[0][layer, slot] = torch.cat(shares)
+            elif lin.kind == "kda":  # one tensor: rows x Q|K|V channels
+                self.conv[0][layer, slot] = torch.cat(shares).T
             else:  # one tensor per sub-projection, rows x channels
                 for p, share in enumerate(shares):
                     self.conv[p][layer, slot] = share.T

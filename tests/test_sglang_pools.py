@@ -5,10 +5,11 @@ chunked prefill sends it, page indices as its disaggregation code hands them; ev
 checked in SGLang's semantics (token ``t`` of the request at slot ``page[t // page_size] * page_size + t %
 page_size``, head ``h`` on the rank holding it), and every byte no request names left untouched.
 
-Hybrid models (Qwen3-Next's GDN, Kimi-Linear's KDA) add SGLang's ``MambaPool`` state tensors (conv apart from
-temporal, one conv tensor or three; ``sglang_pools.py``), indexed by the request's mamba slot, a pool of its own
-size: the state moves with the request's last chunk, as SGLang sends it, and every decode slot but the request's
-must stay zero while the prefill's other slots hold decoy states.
+Hybrid models (Qwen3-Next's GDN; Kimi-Linear's KDA as SGLang 0.5.23 and as earlier SGLang store it) add SGLang's
+``MambaPool`` state tensors (conv apart from temporal, one conv tensor or three, ds or sd; ``sglang_pools.py``),
+indexed by the request's mamba slot, a pool of its own size: the state moves with the request's last chunk, as
+SGLang sends it, and every decode slot but the request's must stay zero while the prefill's other slots hold decoy
+states.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytest.importorskip("nixl")
 
 from sglang_pools import (  # noqa: E402
     KIMI_LINEAR,
+    KIMI_LINEAR_3,
     MLA,
     QWEN3_NEXT,
     QWEN3_NEXT_ATTN,
@@ -65,7 +67,7 @@ def wait(out: Any, kind: str, timeout_s: float = 60.0) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize(
     "model",
-    [QWEN3_NEXT_ATTN, MLA, QWEN3_NEXT, KIMI_LINEAR],
+    [QWEN3_NEXT_ATTN, MLA, QWEN3_NEXT, KIMI_LINEAR, KIMI_LINEAR_3],
     ids=lambda m: m.kind if m.linear is None else m.linear.kind,
 )
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["p2d1", "p1d2"])
