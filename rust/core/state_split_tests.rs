@@ -555,3 +555,47 @@ fn the_handshake_names_split_and_layout_mismatches_and_passes_twins() {
     let three = meta_of(Store::ThreeConv(ConvLayout::Ds), 1, 0);
     assert!(checks(&ds, &three).contains(&"state_parts".to_string()));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// A peer lying about its state parts, slot counts or conv rows is refused at decode or by the plan, or
+    /// planned with every remote range inside the regions it advertised: never a panic, never a stray byte.
+    #[test]
+    fn hostile_split_state_metadata_is_refused_or_contained(
+        store in 1..5usize,
+        field in 0..5u8,
+        value in prop::sample::select(vec![0u64, 1, 2, 3, SLOTS - 1, SLOTS + 1, 64, 65, 1 << 31, u64::MAX]),
+        region in 0..9usize,
+        push in any::<bool>(),
+    ) {
+        use super::handshake::{decode, encode};
+        let store = STORES[store];
+        let mode = if push { TransferMode::Push } else { TransferMode::Pull };
+        let local = RegionTable::build(&layout(store, 1, 0)).unwrap();
+        let remotes: Vec<AgentMeta> = (0..2)
+            .map(|r| {
+                let mut m = meta(&RegionTable::build(&layout(store, 2, r)).unwrap(), "peer", mode);
+                let i = region % m.regions.len();
+                match field {
+                    0 => m.regions[i].states = Some(value),
+                    1 => m.regions[i].state_part = Some(StatePart::Conv(vec![(value % 7) as u32])),
+                    2 => m.regions[i].state_part = Some(StatePart::Temporal),
+                    3 => m.conv_rows = value,
+                    _ => m.regions[i].num_blocks = value,
+                }
+                m
+            })
+            .collect();
+        let decoded: Result<Vec<AgentMeta>, _> = remotes.iter().map(|m| decode(&encode(m).unwrap())).collect();
+        let Ok(decoded) = decoded else { return Ok(()) };
+        let Ok(peer) = PeerPlan::new(&local, &decoded, mode) else { return Ok(()) };
+        let Ok(plan) = peer.plan(&[vec![1, 3], vec![2]], &[vec![0, 4], vec![5]]) else { return Ok(()) };
+        for (i, t) in plan.transfers.iter().enumerate() {
+            let m = &decoded[t.remote_rank as usize];
+            for [_, ra, len] in plan.moves(&peer, i).unwrap() {
+                let inside = m.regions.iter().any(|r| r.end().is_some_and(|end| ra >= r.base && ra + len <= end));
+                prop_assert!(inside, "move {ra:#x}+{len} outside rank {}'s regions", t.remote_rank);
+            }
+        }
+    }
+}
