@@ -16,6 +16,7 @@ pub mod plan;
 pub mod region;
 pub mod scenario;
 pub mod spec;
+pub mod state_parts;
 pub mod state_rows;
 pub mod stream;
 pub mod tp;

@@ -11,11 +11,11 @@ use serde::{Deserialize, Serialize};
 use super::alias::{can_alias, check_aliases, check_no_overlap};
 use super::coalesce::ChunkedBases;
 use super::error::LayoutError;
-use super::handshake::MAX_KERNEL_BLOCKS;
 use super::kv_layout::{rank_page_order, LayerOrder, PageOrder};
 use super::layout::{LayerInput, MemType, RankLayout};
 use super::natural::natural_cmp;
 use super::spec::{ConvSplit, LayerSpec, StatePart};
+use super::state_parts::{check_state_parts, ssm_states};
 
 /// What a KV-cache group holds, which decides how it is split across TP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -229,24 +229,6 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
     })
 }
 
-/// States an SSM layer's tensor holds: its own `num_blocks` (a slot-indexed state pool beside a page pool, as
-/// SGLang's `MambaPool`), at most [`MAX_KERNEL_BLOCKS`] kernel blocks' worth, or the rank's logical blocks.
-fn ssm_states(layer: &LayerInput, geo: &BlockGeometry) -> Result<u64, LayoutError> {
-    let Some(states) = layer.memory.num_blocks else {
-        return Ok(geo.num_logical_blocks);
-    };
-    if states.checked_mul(geo.ppl).is_none_or(|k| k > MAX_KERNEL_BLOCKS) {
-        return Err(LayoutError::BadField {
-            at: format!("layer {:?} memory.num_blocks", layer.name),
-            reason: format!(
-                "{states} states of {} kernel blocks each exceed the limit of {MAX_KERNEL_BLOCKS} kernel blocks",
-                geo.ppl
-            ),
-        });
-    }
-    Ok(states)
-}
-
 fn geometry(layout: &RankLayout) -> Result<BlockGeometry, LayoutError> {
     let zero = |what: &str| LayoutError::Zero { what: what.to_string() };
     if layout.tp_size == 0 {
@@ -318,48 +300,6 @@ fn group_kinds(layers: &[&LayerInput]) -> Result<Vec<GroupKind>, LayoutError> {
                 .ok_or_else(|| LayoutError::Groups(format!("group {g} has no layers; group ids must be 0..n-1")))
         })
         .collect()
-}
-
-/// Split states must be whole: each conv sub-projection in as many SSM regions as hold the temporal state, and
-/// whole-state regions not mixed with parts (every state layer of a rank is stored one way).
-fn check_state_parts(regions: &[Region], ssm_regions: &[usize], projs: usize) -> Result<(), LayoutError> {
-    let parts: Vec<&Region> = ssm_regions.iter().map(|&i| &regions[i]).collect();
-    let split = parts.iter().filter(|r| r.state_part.is_some()).count();
-    if split == 0 {
-        return Ok(());
-    }
-    if split != parts.len() {
-        let whole = parts.iter().find(|r| r.state_part.is_none()).map_or("", |r| &r.name);
-        return Err(LayoutError::BadSsmSpec {
-            layer: whole.to_string(),
-            reason: "it holds whole states while other state layers hold parts (conv, temporal) of theirs".into(),
-        });
-    }
-    let temporal = parts
-        .iter()
-        .filter(|r| r.state_part == Some(StatePart::Temporal))
-        .count();
-    let mut conv = [0usize; super::spec::MAX_CONV_PROJS];
-    for r in &parts {
-        if let Some(StatePart::Conv(projs)) = &r.state_part {
-            for &p in projs {
-                if let Some(c) = conv.get_mut(p as usize) {
-                    *c += 1;
-                }
-            }
-        }
-    }
-    let used = projs.min(conv.len());
-    if temporal == 0 || conv[..used].iter().any(|&c| c != temporal) {
-        return Err(LayoutError::BadSsmSpec {
-            layer: parts[0].name.clone(),
-            reason: format!(
-                "split states are not whole: {temporal} temporal tensors but conv tensors per sub-projection {:?}",
-                &conv[..used]
-            ),
-        });
-    }
-    Ok(())
 }
 
 impl RegionTable {

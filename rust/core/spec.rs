@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::error::LayoutError;
+pub use super::state_parts::{ConvLayout, StatePart, MAX_CONV_PROJS, MAX_CONV_ROWS};
 
 /// Non-MLA attention (full or sliding window): K and V per head, packed per token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,41 +51,6 @@ pub enum MambaKind {
     /// Gated DeltaNet / Kimi Delta Attention: conv holds `Q | K | V`.
     Gdn,
 }
-
-/// How a conv state is stored in memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum ConvLayout {
-    /// Channels x conv rows (vLLM's and SGLang's Mamba2 layout): a channel range of a sub-projection is one range.
-    #[default]
-    Ds,
-    /// Conv rows x channels ("state-len major", SGLang's Kimi-Linear layout): a channel range is one range per row.
-    Sd,
-}
-
-impl ConvLayout {
-    fn is_ds(&self) -> bool {
-        *self == ConvLayout::Ds
-    }
-}
-
-/// Which part of an SSM state one tensor holds, for engines keeping conv and temporal state in separate tensors
-/// (SGLang's `MambaPool`: one conv tensor, or one per Q/K/V sub-projection, and one temporal tensor).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StatePart {
-    /// The conv state of these sub-projections (ascending indices into the kind's sub-projections, e.g. `[0, 1,
-    /// 2]` for one tensor of concatenated Q|K|V channels, `[1]` for a tensor of K alone).
-    Conv(Vec<u32>),
-    /// The temporal (SSM) state.
-    Temporal,
-}
-
-/// Most sub-projections a conv part may list (Mamba2's x|B|C, GDN's Q|K|V).
-pub const MAX_CONV_PROJS: usize = 3;
-/// Most conv rows of an `sd` conv state (a conv kernel of 4 keeps 3): a state's streams are one per row and
-/// sub-projection, so this bounds a table's rows.
-pub const MAX_CONV_ROWS: u64 = 64;
 
 /// A linear-attention / SSM state (one full state per logical block, never split).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,59 +130,6 @@ impl ConvSplit {
     /// Number of sub-streams per state (conv sub-projections + 1).
     pub fn num_streams(&self) -> usize {
         self.proj_bytes.len() + 1
-    }
-
-    /// Bytes of `part` of one state (the whole state for `None`).
-    pub fn part_bytes(&self, part: Option<&StatePart>) -> u64 {
-        match part {
-            None => self.conv_bytes.saturating_add(self.ssm_bytes),
-            Some(StatePart::Temporal) => self.ssm_bytes,
-            Some(StatePart::Conv(projs)) => projs
-                .iter()
-                .map(|&p| self.proj_bytes.get(p as usize).copied().unwrap_or(0))
-                .fold(0u64, u64::saturating_add),
-        }
-    }
-
-    /// `(offset, len)` of every stream of `part` (the whole state for `None`) inside its page, in page order:
-    /// each conv sub-projection the part holds (with an `sd` conv state, its channels of each conv row, row by
-    /// row), then the temporal state. A stream is a channel range of one sub-projection (or the temporal
-    /// state), so a TP share of it is one range: [`ConvSplit::streams`] for a whole `ds` state.
-    ///
-    /// Sizes were checked when the split was derived (or bounded by the handshake), so sums cannot wrap;
-    /// saturating all the same.
-    pub fn part_streams(&self, part: Option<&StatePart>) -> Vec<(u64, u64)> {
-        let all: Vec<u32> = (0..self.proj_bytes.len() as u32).collect();
-        let (projs, temporal): (&[u32], bool) = match part {
-            None => (&all, true),
-            Some(StatePart::Conv(p)) => (p, false),
-            Some(StatePart::Temporal) => (&[], true),
-        };
-        let bytes = |p: u32| self.proj_bytes.get(p as usize).copied().unwrap_or(0);
-        let mut out = Vec::new();
-        let mut conv = 0u64;
-        if self.conv_layout == ConvLayout::Sd && self.conv_rows > 0 {
-            let per_row = |p: u32| bytes(p) / self.conv_rows;
-            let row_bytes = projs.iter().map(|&p| per_row(p)).fold(0u64, u64::saturating_add);
-            for j in 0..self.conv_rows {
-                let mut off = j.saturating_mul(row_bytes);
-                for &p in projs {
-                    out.push((off, per_row(p)));
-                    off = off.saturating_add(per_row(p));
-                }
-            }
-            conv = row_bytes.saturating_mul(self.conv_rows);
-        } else {
-            for &p in projs {
-                out.push((conv, bytes(p)));
-                conv = conv.saturating_add(bytes(p));
-            }
-        }
-        if temporal {
-            // a whole state's temporal part starts at the conv bytes (every sub-projection precedes it)
-            out.push((conv, self.ssm_bytes));
-        }
-        out
     }
 }
 
