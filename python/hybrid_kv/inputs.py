@@ -20,6 +20,7 @@ else:  # NotRequired is 3.11's; typing_extensions' TypedDict honours it on 3.10
 __all__ = [
     "KV_LAYOUTS",
     "AttentionSpec",
+    "ConvLayout",
     "EngineInfo",
     "KvLayout",
     "LayerInput",
@@ -32,6 +33,7 @@ __all__ = [
     "PageLayout",
     "RankLayout",
     "SsmSpec",
+    "StatePart",
     "TransferMode",
 ]
 
@@ -48,6 +50,14 @@ PageLayout = Literal["HND", "NHD"]
 
 MambaKind = Literal["mamba1", "mamba2", "gdn"]
 """Conv sub-projections of an SSM state: Mamba1 ``x``; Mamba2 ``x | B | C``; GDN/KDA ``Q | K | V``."""
+
+ConvLayout = Literal["ds", "sd"]
+"""How a conv state is stored: ``ds`` channels x conv rows (vLLM, SGLang's Mamba2), ``sd`` conv rows x channels
+(SGLang's Kimi-Linear)."""
+
+StatePart = dict[Literal["conv"], list[int]] | Literal["temporal"]
+"""The part of an SSM state one tensor holds: ``{"conv": [0, 1, 2]}`` (those sub-projections' conv state, in
+``kind`` order; e.g. ``[1]`` for a tensor of K alone) or ``"temporal"``."""
 
 MemType = Literal["DRAM", "VRAM"]
 """NIXL's memory type: host or device memory."""
@@ -84,18 +94,24 @@ class MlaSpec(TypedDict):
 
 
 class SsmSpec(TypedDict):
-    """An SSM / linear-attention state (``type`` ``ssm``): one whole state per logical block, per TP rank."""
+    """An SSM / linear-attention state (``type`` ``ssm``): one whole state per logical block, per TP rank; or, with
+    ``part``, the part of it one tensor holds (an engine keeping conv and temporal state apart, as SGLang's
+    ``MambaPool``, describes each tensor as its own layer; the shapes stay the whole state's)."""
 
     type: Literal["ssm"]
     kind: MambaKind
     conv_shape: list[int]
-    """``[conv_dim_local, conv_rows]`` (DS layout: channels x rows)."""
+    """``[conv_dim_local, conv_rows]`` (channels, rows: whatever ``conv_layout`` stores them as)."""
     conv_dtype_bytes: int
     temporal_shape: list[int]
     """Temporal state shape on this rank; dim 0 is split across TP."""
     temporal_dtype_bytes: int
     page_size_padded: NotRequired[int | None]
-    """Bytes per state page after padding (default: the raw state size)."""
+    """Bytes per state page after padding (default: the raw state size, or the part's)."""
+    conv_layout: NotRequired[ConvLayout]
+    """How the conv state is stored (default ``ds``); every state layer of a rank says the same."""
+    part: NotRequired[StatePart]
+    """The part of the state this layer's tensor holds (default: the whole state in one page)."""
 
 
 LayerSpec = AttentionSpec | MlaSpec | SsmSpec
@@ -114,7 +130,9 @@ class LayerMemory(TypedDict):
     device: NotRequired[int]
     mem_type: NotRequired[MemType]
     num_blocks: NotRequired[int | None]
-    """Kernel blocks of this attention layer when they differ from the rank's count."""
+    """Kernel blocks of this attention layer when they differ from the rank's count; for an SSM layer, the state
+    slots its tensor holds (a state pool of its own size, as SGLang's ``MambaPool``; its group's ids are checked
+    against it; at most 2**31 - 1 kernel blocks' worth)."""
     page_layout: NotRequired[PageLayout]
     """The page cell order its tensor's strides show (``torch_adapter.page_layout``)."""
 

@@ -138,6 +138,7 @@ def region_table_from_tensors(
     tp_size: int = 1,
     total_num_kv_heads: int = 1,
     kv_layout: str | None = None,
+    state_slots: bool = False,
 ) -> RegionTable:
     """Build a region table from ``(layer name, group, spec, tensor)`` tuples.
 
@@ -145,9 +146,19 @@ def region_table_from_tensors(
     attention pages' cell order is read off the tensors where their shape shows it (``page_layout``);
     ``kv_layout`` (``"HND"``, ``"NHD"`` or vLLM's names) declares it where they do not, and a declaration the
     tensors contradict is a ``LayoutError``.
+
+    ``state_slots``: SSM state tensors are pools of their own, indexed by state slot (dim 0: SGLang's
+    ``MambaPool``), not by the rank's logical blocks; each declares its dim 0 as its slot count.
     """
     entries = [
-        layer(name, group, spec, **tensor_memory(t, name, spec, kernel_block_size)) for name, group, spec, t in layers
+        layer(
+            name,
+            group,
+            spec,
+            **tensor_memory(t, name, spec, kernel_block_size),
+            num_blocks=int(t.shape[0]) if state_slots and spec.get("type") == "ssm" and t.dim() > 1 else None,
+        )
+        for name, group, spec, t in layers
     ]
     return build_region_table(
         rank_layout(

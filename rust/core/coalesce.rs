@@ -241,7 +241,7 @@ pub struct ChunkedBases {
 
 /// A base table (weakly held, compared by pointer), the `(regions, streams)` its state rows were joined for,
 /// and what [`with_state_rows`] gave.
-type JoinedEntry = (Weak<DescTable>, (usize, usize), Option<JoinedBase>);
+type JoinedEntry = (Weak<DescTable>, Vec<usize>, Option<JoinedBase>);
 
 /// A table with whole-state rows joined, and each SSM region's first state id.
 pub type JoinedBase = (Arc<DescTable>, Vec<u64>);
@@ -281,17 +281,17 @@ impl ChunkedBases {
 
     /// [`with_state_rows`] of `base`, built once per base table this cache holds (any other table is joined
     /// afresh and not kept).
-    pub fn with_state_rows(&self, base: &Arc<DescTable>, regions: usize, streams: usize) -> Option<JoinedBase> {
+    pub fn with_state_rows(&self, base: &Arc<DescTable>, streams: &[usize]) -> Option<JoinedBase> {
         let mine = || {
             let chunked = self.chunked.lock().unwrap_or_else(PoisonError::into_inner);
             chunked.iter().any(|(_, b)| Arc::ptr_eq(&b.0, base))
         };
-        let join = || with_state_rows(base, regions, streams).map(|(t, s)| (Arc::new(t), s));
+        let join = || with_state_rows(base, streams).map(|(t, s)| (Arc::new(t), s));
         if !mine() {
             return join();
         }
         let lock = || self.joined.lock().unwrap_or_else(PoisonError::into_inner);
-        let same = |(w, k, _): &JoinedEntry| std::ptr::eq(w.as_ptr(), Arc::as_ptr(base)) && *k == (regions, streams);
+        let same = |(w, k, _): &JoinedEntry| std::ptr::eq(w.as_ptr(), Arc::as_ptr(base)) && k[..] == *streams;
         if let Some((_, _, hit)) = lock().iter().find(|e| same(e)) {
             return hit.clone();
         }
@@ -301,7 +301,7 @@ impl ChunkedBases {
         if entries.len() >= MAX_CHUNKED_BASES {
             entries.remove(0);
         }
-        entries.push((Arc::downgrade(base), (regions, streams), built.clone()));
+        entries.push((Arc::downgrade(base), streams.to_vec(), built.clone()));
         built
     }
 }
@@ -347,8 +347,7 @@ impl RegionTable {
             .map(|r| hosts_attention(r.group, &self.groups))
             .collect();
         let chunked = with_chunk_rows(&table, &starts, &counts, &eligible).0;
-        let streams = self.conv_split.as_ref().map_or(0, |s| s.num_streams());
-        Ok(with_state_rows(&chunked, self.ssm_regions.len(), streams).map_or(chunked, |(t, _)| t))
+        Ok(with_state_rows(&chunked, &self.ssm_streams_per_region()).map_or(chunked, |(t, _)| t))
     }
 }
 

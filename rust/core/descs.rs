@@ -233,7 +233,8 @@ impl RegionTable {
         Ok(DescTable::new(rows, num_fa))
     }
 
-    /// SSM rows of the local table: per SSM region, per sub-stream, one descriptor per logical block.
+    /// SSM rows of the local table: per SSM region, per sub-stream of the state (or state part) it holds, one
+    /// descriptor per state.
     pub(crate) fn ssm_rows(&self, dev: u64) -> Vec<StridedRow> {
         let Some(split) = &self.conv_split else {
             return Vec::new();
@@ -242,17 +243,39 @@ impl RegionTable {
         let mut rows = Vec::new();
         for &i in &self.ssm_regions {
             let r = &self.regions[i];
-            for (off, len) in split.streams() {
+            for (off, len) in split.part_streams(r.state_part.as_ref()) {
                 rows.push(StridedRow {
                     addr: r.base + off,
                     len,
                     device: dev,
                     stride: r.block_stride * geo.ppl,
-                    count: geo.num_logical_blocks,
+                    count: r.states.unwrap_or(geo.num_logical_blocks),
                 });
             }
         }
         rows
+    }
+
+    /// Sub-stream rows of every SSM region, in `ssm_regions` order (the same for every region of whole states).
+    pub fn ssm_streams_per_region(&self) -> Vec<usize> {
+        let Some(split) = &self.conv_split else {
+            return Vec::new();
+        };
+        self.ssm_regions
+            .iter()
+            .map(|&i| split.part_streams(self.regions[i].state_part.as_ref()).len())
+            .collect()
+    }
+
+    /// States of every SSM sub-stream row, in table order (the rank's logical blocks, or a state tensor's own
+    /// slot count).
+    pub fn ssm_row_counts(&self) -> Vec<u64> {
+        let logical = self.geometry.num_logical_blocks;
+        self.ssm_regions
+            .iter()
+            .zip(self.ssm_streams_per_region())
+            .flat_map(|(&i, n)| std::iter::repeat_n(self.regions[i].states.unwrap_or(logical), n))
+            .collect()
     }
 }
 

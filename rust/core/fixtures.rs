@@ -215,6 +215,8 @@ pub fn kimi_linear_like(regions: u32, heads: u64, num_logical_blocks: u64) -> Ra
             temporal_shape: vec![heads, 128, 128],
             temporal_dtype_bytes: 4,
             page_size_padded: Some(page),
+            conv_layout: Default::default(),
+            part: None,
         });
         let mla = LayerSpec::Mla(MlaSpec {
             head_size: 576,
@@ -274,6 +276,8 @@ mod tests {
                 temporal_shape: vec![1, 4, 4],
                 temporal_dtype_bytes: 4,
                 page_size_padded: Some(160),
+                conv_layout: Default::default(),
+                part: None,
             })
         );
         assert_eq!(f2_page(), 144);

@@ -9,6 +9,15 @@ pub use super::engine_info::{is_compat_hash, EngineInfo, COMPAT_HASH_LEN};
 use super::kv_layout::{page_order_of, PageOrder};
 use super::layout::MemType;
 use super::region::{GroupKind, RegionTable};
+use super::spec::{ConvLayout, StatePart};
+
+fn is_ds(layout: &ConvLayout) -> bool {
+    *layout == ConvLayout::Ds
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
 
 /// Version of the metadata format; bumped on any incompatible change.
 pub const META_VERSION: u32 = 1;
@@ -41,6 +50,12 @@ pub struct RegionMeta {
     pub is_mla: bool,
     /// Group of every sharer, or `None` when shared by groups.
     pub group: Option<u32>,
+    /// The part of an SSM state the region's tensor holds (`None`: whole states, or no SSM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_part: Option<StatePart>,
+    /// States the region holds when its tensor has its own count (`None`: the rank's logical blocks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub states: Option<u64>,
 }
 
 impl RegionMeta {
@@ -94,6 +109,12 @@ pub struct AgentMeta {
     pub ssm_sizes: (u64, u64),
     /// Bytes of each conv sub-projection on this rank (empty without SSM).
     pub conv_proj_bytes: Vec<u64>,
+    /// How the conv state is stored (`ds` unless said).
+    #[serde(default, skip_serializing_if = "is_ds")]
+    pub conv_layout: ConvLayout,
+    /// Conv rows of an `sd` conv state (0, and not sent, for `ds`: its streams do not depend on it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub conv_rows: u64,
     /// Model-level MLA flag.
     pub use_mla: bool,
     /// Total KV heads across TP (1 for MLA).
@@ -140,6 +161,8 @@ impl AgentMeta {
                     num_blocks: r.num_blocks,
                     is_mla: r.is_mla,
                     group: r.group,
+                    state_part: r.state_part.clone(),
+                    states: r.states,
                 })
                 .collect(),
             ssm_regions: table.ssm_regions.iter().map(|&i| i as u32).collect(),
@@ -151,6 +174,10 @@ impl AgentMeta {
             num_logical_blocks: table.geometry.num_logical_blocks,
             ssm_sizes: split.map_or((0, 0), |s| (s.conv_bytes, s.ssm_bytes)),
             conv_proj_bytes: split.map_or_else(Vec::new, |s| s.proj_bytes.clone()),
+            conv_layout: split.map_or(ConvLayout::Ds, |s| s.conv_layout),
+            conv_rows: split
+                .filter(|s| s.conv_layout == ConvLayout::Sd)
+                .map_or(0, |s| s.conv_rows),
             use_mla: table.use_mla,
             total_num_kv_heads: table.total_num_kv_heads,
             kv_layout: if info.kv_layout.is_empty() {

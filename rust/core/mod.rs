@@ -18,6 +18,7 @@ pub mod plan;
 pub mod region;
 pub mod scenario;
 pub mod spec;
+pub mod state_parts;
 pub mod state_rows;
 pub mod stream;
 pub mod tp;
@@ -42,5 +43,7 @@ mod hardening_tests;
 mod oracle_tests;
 #[cfg(test)]
 mod region_tests;
+#[cfg(test)]
+mod state_split_tests;
 #[cfg(test)]
 pub(crate) mod stream_tests;

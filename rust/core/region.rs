@@ -14,7 +14,8 @@ use super::error::LayoutError;
 use super::kv_layout::{rank_page_order, LayerOrder, PageOrder};
 use super::layout::{LayerInput, MemType, RankLayout};
 use super::natural::natural_cmp;
-use super::spec::{ConvSplit, LayerSpec};
+use super::spec::{ConvSplit, LayerSpec, StatePart};
+use super::state_parts::{check_state_parts, ssm_states};
 
 /// What a KV-cache group holds, which decides how it is split across TP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -74,6 +75,13 @@ pub struct Region {
     pub group: Option<u32>,
     /// Whether some sharer is an SSM layer.
     pub has_ssm: bool,
+    /// The part of an SSM state this region's tensor holds (`None`: whole states, or no SSM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_part: Option<StatePart>,
+    /// States an SSM region's tensor holds when it declares its own count (a slot-indexed state pool beside a
+    /// page pool); `None`: the rank's logical blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub states: Option<u64>,
 }
 
 /// Where one layer's KV lives: the region (tensor) it maps and its KV-cache group. In a hybrid (HMA) pool
@@ -163,12 +171,12 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
     let block_len = page / geo.ppl;
     let mem = &layer.memory;
     let (block_stride, holds, unit_len, unit_stride) = if layer.spec.is_ssm() {
-        // SSM views are indexed by logical block (one whole state each).
+        // SSM views are indexed by logical block (one whole state each), or by the tensor's own state slots.
         let stride = if mem.block_stride == 0 { page } else { mem.block_stride };
         if stride % geo.ppl != 0 {
             return Err(not_div("stride", stride));
         }
-        (stride / geo.ppl, geo.num_logical_blocks, page, stride)
+        (stride / geo.ppl, ssm_states(layer, geo)?, page, stride)
     } else {
         let stride = if mem.block_stride == 0 {
             block_len
@@ -208,10 +216,11 @@ fn layer_view(layer: &LayerInput, geo: &BlockGeometry) -> Result<LayerView, Layo
             needed,
         });
     }
-    let num_blocks = if layer.spec.is_ssm() {
-        geo.num_kernel_blocks
-    } else {
-        holds
+    let num_blocks = match (layer.spec.is_ssm(), mem.num_blocks) {
+        // checked against MAX_KERNEL_BLOCKS by `ssm_states`, so the product fits
+        (true, Some(states)) => states.saturating_mul(geo.ppl),
+        (true, None) => geo.num_kernel_blocks,
+        (false, _) => holds,
     };
     Ok(LayerView {
         block_len,
@@ -334,6 +343,7 @@ impl RegionTable {
         let mut ssm_regions: Vec<usize> = Vec::new();
         let mut conv_split: Option<(ConvSplit, &str)> = None;
         let mut places: Vec<LayerPlace> = Vec::with_capacity(layers.len());
+        let mut own_counts = false; // some SSM layer declares its own state count
 
         for layer in &layers {
             let mem = &layer.memory;
@@ -411,6 +421,8 @@ impl RegionTable {
                         is_mla,
                         group: Some(layer.group),
                         has_ssm: false,
+                        state_part: None,
+                        states: None,
                     });
                     regions.len() - 1
                 }
@@ -421,8 +433,23 @@ impl RegionTable {
                 group: layer.group,
                 is_ssm: layer.spec.is_ssm(),
             });
-            if layer.spec.is_ssm() {
-                regions[idx].has_ssm = true;
+            if let LayerSpec::Ssm(ssm) = &layer.spec {
+                let r = &mut regions[idx];
+                if r.has_ssm && r.state_part != ssm.part {
+                    return Err(LayoutError::BadSsmSpec {
+                        layer: layer.name.clone(),
+                        reason: format!(
+                            "it holds state part {:?} of a tensor whose other layers hold {:?}",
+                            ssm.part, r.state_part
+                        ),
+                    });
+                }
+                r.has_ssm = true;
+                r.state_part.clone_from(&ssm.part);
+                if let Some(states) = layer.memory.num_blocks {
+                    own_counts = true;
+                    r.states = Some(states); // bounded by `ssm_states`; sharers agree (same kernel block count)
+                }
                 if !ssm_regions.contains(&idx) {
                     ssm_regions.push(idx);
                 }
@@ -432,7 +459,14 @@ impl RegionTable {
         check_no_overlap(&regions)?;
         let use_mla = groups.contains(&GroupKind::Mla) && !groups.contains(&GroupKind::Attention);
         let has_ssm = conv_split.is_some();
-        if has_ssm {
+        check_state_parts(
+            &regions,
+            &ssm_regions,
+            conv_split.as_ref().map_or(0, |(s, _)| s.proj_bytes.len()),
+        )?;
+        // A state tensor of its own slot count is a pool of its own (SGLang's `MambaPool` beside its page pool):
+        // every region keeps its count. Otherwise the states are the pool's logical blocks, as in vLLM.
+        if has_ssm && !own_counts {
             // Mamba forces uniform kernel block counts (vLLM does the same).
             for r in &mut regions {
                 r.num_blocks = geo.num_kernel_blocks;

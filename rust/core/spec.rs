@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::error::LayoutError;
+pub use super::state_parts::{ConvLayout, StatePart, MAX_CONV_PROJS, MAX_CONV_ROWS};
 
 /// Non-MLA attention (full or sliding window): K and V per head, packed per token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,9 +66,17 @@ pub struct SsmSpec {
     pub temporal_shape: Vec<u64>,
     /// Bytes per temporal element.
     pub temporal_dtype_bytes: u64,
-    /// Page size (bytes per logical block) after HMA padding; defaults to the raw state size.
+    /// Page size (bytes per logical block) after HMA padding; defaults to the raw state size (of the part, for
+    /// a part).
     #[serde(default)]
     pub page_size_padded: Option<u64>,
+    /// How the conv state is stored (`ds` by default).
+    #[serde(default, skip_serializing_if = "ConvLayout::is_ds")]
+    pub conv_layout: ConvLayout,
+    /// The part of the state this layer's tensor holds; `None` (the default): the whole state in one page,
+    /// `[conv sub-projections | temporal | padding]`. The shapes stay those of the whole state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<StatePart>,
 }
 
 /// The spec of one layer's KV cache.
@@ -97,6 +106,12 @@ pub struct ConvSplit {
     pub conv_bytes: u64,
     /// Temporal state bytes on this rank.
     pub ssm_bytes: u64,
+    /// Conv rows (TP-independent; what an `sd` conv state repeats its channels over).
+    #[serde(default)]
+    pub conv_rows: u64,
+    /// How the conv state is stored.
+    #[serde(default)]
+    pub conv_layout: ConvLayout,
 }
 
 impl ConvSplit {
@@ -188,18 +203,35 @@ impl SsmSpec {
         let ssm_bytes = checked_product(t, "temporal", layer)?
             .checked_mul(self.temporal_dtype_bytes)
             .ok_or_else(|| bad("temporal bytes overflow".into()))?;
+        if self.conv_layout == ConvLayout::Sd && conv_rows > MAX_CONV_ROWS {
+            return Err(bad(format!(
+                "an sd conv state of {conv_rows} conv rows is over the limit of {MAX_CONV_ROWS}"
+            )));
+        }
+        if let Some(StatePart::Conv(projs)) = &self.part {
+            let ascending = projs.windows(2).all(|w| w[0] < w[1]);
+            if projs.is_empty() || !ascending || projs.iter().any(|&p| p as usize >= proj_dims.len()) {
+                return Err(bad(format!(
+                    "conv part {projs:?} must list distinct ascending sub-projections below {} of kind {:?}",
+                    proj_dims.len(),
+                    self.kind
+                )));
+            }
+        }
         Ok(ConvSplit {
             proj_dims,
             proj_bytes,
             conv_bytes,
             ssm_bytes,
+            conv_rows,
+            conv_layout: self.conv_layout,
         })
     }
 
-    /// Raw state bytes (conv + temporal).
+    /// Raw bytes of the state (conv + temporal), or of the part of it this layer's tensor holds.
     pub fn state_bytes(&self, layer: &str) -> Result<u64, LayoutError> {
         let s = self.conv_split(layer)?;
-        Ok(s.conv_bytes + s.ssm_bytes)
+        Ok(s.part_bytes(self.part.as_ref()))
     }
 }
 
@@ -295,6 +327,8 @@ mod tests {
             temporal_shape: temporal.to_vec(),
             temporal_dtype_bytes: 4,
             page_size_padded: None,
+            conv_layout: ConvLayout::Ds,
+            part: None,
         }
     }
 

@@ -14,19 +14,24 @@
 use super::descs::{DescTable, StridedRow};
 
 /// `table` with one whole-state row appended per SSM region, and the flat id of each region's first state;
-/// `None` (no row added) when some region's piece rows are not one contiguous range.
+/// `None` (no row added) when some region's piece rows are not one contiguous range, or no region has two.
 ///
-/// The SSM piece rows start at the table's `num_fa` boundary, `streams` consecutive rows per region for
-/// `regions` regions.
-pub fn with_state_rows(table: &DescTable, regions: usize, streams: usize) -> Option<(DescTable, Vec<u64>)> {
-    if regions == 0 || streams < 2 {
+/// The SSM piece rows start at the table's `num_fa` boundary, `streams[k]` consecutive rows for the `k`-th SSM
+/// region (the same number for every region of whole states; a region holding part of a state, one tensor of a
+/// state split over several, has its part's).
+pub fn with_state_rows(table: &DescTable, streams: &[usize]) -> Option<(DescTable, Vec<u64>)> {
+    if streams.iter().all(|&n| n < 2) {
         return None; // nothing to join
     }
     let first = table.row_starts().partition_point(|&s| s < table.num_fa);
-    let pieces = table
-        .rows
-        .get(first..first.checked_add(regions.checked_mul(streams)?)?)?;
-    let joined: Vec<StridedRow> = pieces.chunks(streams).map(join).collect::<Option<_>>()?;
+    let total = streams.iter().try_fold(0usize, |a, &n| a.checked_add(n))?;
+    let mut pieces = table.rows.get(first..first.checked_add(total)?)?;
+    let mut joined: Vec<StridedRow> = Vec::with_capacity(streams.len());
+    for &n in streams {
+        let (these, rest) = pieces.split_at(n);
+        joined.push(join(these)?);
+        pieces = rest;
+    }
     let mut rows = Vec::with_capacity(table.rows.len() + joined.len());
     rows.extend_from_slice(&table.rows);
     let mut next = table.len();
@@ -91,7 +96,7 @@ mod tests {
             ],
             10,
         );
-        let (joined, starts) = with_state_rows(&t, 2, 4).unwrap();
+        let (joined, starts) = with_state_rows(&t, &[4, 4]).unwrap();
         assert_eq!(joined.rows[..9], t.rows[..]);
         assert_eq!(joined.rows[9..], [row(1000, 56), row(5000, 56)]);
         assert_eq!(starts, [50, 55]);
@@ -103,9 +108,9 @@ mod tests {
     fn a_share_of_each_piece_is_not_joined() {
         // Half of each piece (TP 2 reading a TP 1 state): the pieces are not adjacent.
         let t = DescTable::new(vec![row(1000, 3), row(1006, 3), row(1012, 6), row(1024, 16)], 0);
-        assert_eq!(with_state_rows(&t, 1, 4), None);
+        assert_eq!(with_state_rows(&t, &[4]), None);
         let t = DescTable::new(vec![row(1000, 6)], 0);
-        assert_eq!(with_state_rows(&t, 1, 1), None, "a single piece needs no joining");
-        assert_eq!(with_state_rows(&t, 2, 4), None, "rows missing");
+        assert_eq!(with_state_rows(&t, &[1]), None, "a single piece needs no joining");
+        assert_eq!(with_state_rows(&t, &[4, 4]), None, "rows missing");
     }
 }

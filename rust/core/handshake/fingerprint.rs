@@ -8,6 +8,7 @@
 //! TP size). What legitimately differs (left out): TP rank and size, addresses, block counts, logical and
 //! kernel block sizes, ppl, per-rank SSM sizes, the SSM-only page, engine identity and mode.
 
+use crate::core::spec::{ConvLayout, StatePart};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -120,6 +121,13 @@ pub struct GeometryKey {
     pub token_bytes: Vec<Option<Ratio>>,
     /// Conv bytes x TP, temporal bytes x TP, and each conv sub-projection x TP (empty without SSM).
     pub global_ssm: Vec<u128>,
+    /// The state part of every region, when states are split over several tensors (empty otherwise, and
+    /// then not hashed: a fused state's fingerprint is what it was).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state_parts: Vec<Option<StatePart>>,
+    /// An `sd` conv state's rows (`None`, not hashed, for `ds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sd_conv_rows: Option<u64>,
 }
 
 impl GeometryKey {
@@ -163,6 +171,12 @@ impl GeometryKey {
             total_num_kv_heads: m.total_num_kv_heads,
             token_bytes,
             global_ssm,
+            state_parts: if m.regions.iter().any(|r| r.state_part.is_some()) {
+                m.regions.iter().map(|r| r.state_part.clone()).collect()
+            } else {
+                Vec::new()
+            },
+            sd_conv_rows: (m.conv_layout == ConvLayout::Sd).then_some(m.conv_rows),
         }
     }
 }

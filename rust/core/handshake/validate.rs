@@ -174,7 +174,8 @@ fn identity(local: &AgentMeta, remote: &AgentMeta, expected: &Expected, add: &mu
             );
         }
     }
-    if has_ssm(remote) {
+    // unless its state tensors say their own slot counts (a state pool beside a page pool, as SGLang's)
+    if has_ssm(remote) && remote.regions.iter().all(|r| r.states.is_none()) {
         let uneven: Vec<u64> = remote.regions.iter().map(|r| r.num_blocks).collect();
         if uneven.iter().any(|&n| n != remote.num_blocks) {
             add(
@@ -260,6 +261,18 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, overlapping: bool, add: &mut A
     }
     diff("group_kinds", list(&lk.groups), list(&rk.groups), "");
     diff("ssm_regions", list(&lk.ssm_regions), list(&rk.ssm_regions), "");
+    diff(
+        "state_parts",
+        format!("{:?}", lk.state_parts),
+        format!("{:?}", rk.state_parts),
+        "both sides must split SSM states over the same tensors",
+    );
+    diff(
+        "conv_layout",
+        format!("{:?}", (local.conv_layout, lk.sd_conv_rows)),
+        format!("{:?}", (remote.conv_layout, rk.sd_conv_rows)),
+        "both sides must store conv state alike (sd: with the same rows)",
+    );
     diff("use_mla", lk.use_mla.to_string(), rk.use_mla.to_string(), "");
     diff(
         "total_num_kv_heads",

@@ -33,6 +33,8 @@ fn kda(tp: u64, page: u64) -> LayerSpec {
         temporal_shape: vec![1, 4 / tp, 4],
         temporal_dtype_bytes: 4,
         page_size_padded: Some(page),
+        conv_layout: Default::default(),
+        part: None,
     })
 }
 

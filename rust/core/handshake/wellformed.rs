@@ -15,6 +15,7 @@ use crate::core::alias::tensor_extents;
 use crate::core::kv_layout::page_order_of;
 use crate::core::meta::AgentMeta;
 use crate::core::region::GroupKind;
+use crate::core::spec::{ConvLayout, StatePart, MAX_CONV_PROJS, MAX_CONV_ROWS};
 use crate::core::tp::MAX_TP_SIZE;
 
 /// Most regions a peer may advertise (one per KV-cache tensor; today's largest models have about 100 layers).
@@ -121,6 +122,16 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
                 format!("at most {MAX_KERNEL_BLOCKS} kernel blocks (int32 descriptor ids)"),
             );
         }
+        if let Some(states) = r.states {
+            // a state tensor's own slots: each a logical page of `ppl` kernel blocks inside the region
+            if states == 0 || states.checked_mul(m.ppl).is_none_or(|k| k > r.num_blocks) {
+                bad(
+                    &format!("regions[{i}].states"),
+                    states.to_string(),
+                    format!("must be positive and at most {} blocks / ppl {}", r.num_blocks, m.ppl),
+                );
+            }
+        }
         if r.end().is_none() {
             bad(
                 &field(),
@@ -167,6 +178,7 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
                 format!("needs 1 or 3 sub-projections summing to conv bytes {conv}"),
             );
         }
+        state_part_findings(m, &mut bad);
     } else if m.ssm_sizes != (0, 0) || !m.conv_proj_bytes.is_empty() || !m.ssm_regions.is_empty() {
         bad(
             "ssm_sizes",
@@ -190,6 +202,65 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
         );
     }
     out
+}
+
+/// State parts and the conv layout: parts only on SSM regions, listing distinct ascending sub-projections that
+/// exist, either on every SSM region or on none; an `sd` conv state's rows positive, bounded, dividing every
+/// sub-projection; a `ds` one sends none.
+fn state_part_findings(m: &AgentMeta, bad: &mut impl FnMut(&str, String, String)) {
+    let projs = m.conv_proj_bytes.len();
+    let mut split = 0usize;
+    for (i, r) in m.regions.iter().enumerate() {
+        let Some(part) = &r.state_part else { continue };
+        if !m.ssm_regions.contains(&(i as u32)) {
+            bad(
+                &format!("regions[{i}].state_part"),
+                format!("{part:?}"),
+                "only SSM regions hold state parts".into(),
+            );
+            continue;
+        }
+        split += 1;
+        if let StatePart::Conv(list) = part {
+            let ascending = list.windows(2).all(|w| w[0] < w[1]);
+            if list.is_empty() || list.len() > projs || !ascending || list.iter().any(|&p| p as usize >= projs) {
+                bad(
+                    &format!("regions[{i}].state_part"),
+                    format!("conv {:?}", list.iter().take(MAX_CONV_PROJS + 1).collect::<Vec<_>>()),
+                    format!("must list distinct ascending sub-projections below {projs}"),
+                );
+            }
+        }
+    }
+    if split != 0 && split != m.ssm_regions.len() {
+        bad(
+            "regions.state_part",
+            format!("{split} of {} SSM regions", m.ssm_regions.len()),
+            "every SSM region holds a state part, or none does".into(),
+        );
+    }
+    match m.conv_layout {
+        ConvLayout::Ds if m.conv_rows != 0 => bad(
+            "conv_rows",
+            m.conv_rows.to_string(),
+            "only an sd conv state sends its rows".into(),
+        ),
+        ConvLayout::Sd
+            if m.conv_rows == 0
+                || m.conv_rows > MAX_CONV_ROWS
+                || m.conv_proj_bytes.iter().any(|&b| b % m.conv_rows != 0) =>
+        {
+            bad(
+                "conv_rows",
+                m.conv_rows.to_string(),
+                format!(
+                    "an sd conv state needs 1 to {MAX_CONV_ROWS} rows dividing every sub-projection {:?}",
+                    m.conv_proj_bytes
+                ),
+            );
+        }
+        _ => {}
+    }
 }
 
 /// Memory a plan must never touch: regions overlapping one another, and an SSM state larger than its logical
@@ -232,12 +303,22 @@ pub fn placement_findings(m: &AgentMeta) -> Vec<Finding> {
         }
     }
     let (conv, ssm) = m.ssm_sizes;
-    let state = conv.checked_add(ssm);
+    // what a region's page holds: the whole state, or its part of it
+    let state = |part: Option<&StatePart>| match part {
+        None => conv.checked_add(ssm),
+        Some(StatePart::Temporal) => Some(ssm),
+        Some(StatePart::Conv(list)) => list
+            .iter()
+            .try_fold(0u64, |a, &p| a.checked_add(*m.conv_proj_bytes.get(p as usize)?)),
+    };
     let too_small: Vec<String> = m
         .ssm_regions
         .iter()
         .filter_map(|&i| m.regions.get(i as usize).map(|r| (i, r)))
-        .filter(|(_, r)| state.is_none() || r.block_len.checked_mul(m.ppl).is_none_or(|page| state > Some(page)))
+        .filter(|(_, r)| {
+            let state = state(r.state_part.as_ref());
+            state.is_none() || r.block_len.checked_mul(m.ppl).is_none_or(|page| state > Some(page))
+        })
         .map(|(i, r)| format!("regions[{i}] page {} x {}", r.block_len, m.ppl))
         .collect();
     if !too_small.is_empty() {

@@ -136,10 +136,11 @@ impl PeerPlan {
         } else {
             (vec![None; region_groups.len()], None)
         };
+        let ssm_regions = ssm_row_regions(local, states.is_some());
         let slots = Slots::new(
             &groups,
             &region_groups,
-            (&ssm_bases(states, (&local_space, &remote_space)), &local.ssm_regions),
+            (&ssm_bases(states, (&local_space, &remote_space)), &ssm_regions),
             (&local_space, &remote_space),
             &chunks,
             units,
@@ -273,12 +274,25 @@ fn id_spaces(
     region_groups: &[Vec<usize>],
 ) -> (IdSpace, IdSpace) {
     let groups = &local.groups;
-    let ssm_streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams()) * local.ssm_regions.len();
     let geo = &local.geometry;
+    // the remote's rows mirror the local ones (`remote_table`), each with the states of its remote region
+    let r_rows: Vec<u64> = local
+        .ssm_regions
+        .iter()
+        .zip(local.ssm_streams_per_region())
+        .flat_map(|(&i, n)| {
+            let states = first
+                .regions
+                .get(i)
+                .and_then(|r| r.states)
+                .unwrap_or(first.num_logical_blocks);
+            std::iter::repeat_n(states, n)
+        })
+        .collect();
     let local_space = IdSpace::new(
         l_counts,
         l_num_fa,
-        ssm_streams,
+        &local.ssm_row_counts(),
         geo.ppl,
         (units.local_sub, units.per_head.unwrap_or(1)),
         geo.logical_block_size,
@@ -289,7 +303,7 @@ fn id_spaces(
     let remote_space = IdSpace::new(
         r_counts,
         r_num_fa,
-        ssm_streams,
+        &r_rows,
         first.ppl,
         (units.remote_sub, units.per_head.unwrap_or(1)),
         first.logical_block_size,
@@ -337,6 +351,19 @@ fn with_split_tables(
     }
     local_tables.insert(0, (base_key, Arc::new(base)));
     Ok(local_tables)
+}
+
+/// The SSM region of every SSM slot base: one per region with whole-state rows, else one per piece row.
+fn ssm_row_regions(local: &RegionTable, whole: bool) -> Vec<usize> {
+    if whole {
+        return local.ssm_regions.clone();
+    }
+    local
+        .ssm_regions
+        .iter()
+        .zip(local.ssm_streams_per_region())
+        .flat_map(|(&i, n)| std::iter::repeat_n(i, n))
+        .collect()
 }
 
 /// SSM slot bases `(local, remote)`: one per whole state where both sides have state rows, else one per piece.

@@ -90,9 +90,8 @@ pub(crate) struct Windows<'a> {
 
 impl Slots {
     /// Slots of `region_groups` (attention groups per region) and, per SSM group, one slot per entry of
-    /// `ssm_bases` (the flat `(local, remote)` starts of every SSM piece row, or of every whole-state row:
-    /// the same number per region of `ssm_regions`, in that order); `chunks` are the per-region chunk starts of
-    /// the coalesced regions.
+    /// `ssm_bases` (the flat `(local, remote)` starts of every SSM piece row, or of every whole-state row), the
+    /// region of each in `ssm_regions`; `chunks` are the per-region chunk starts of the coalesced regions.
     pub(crate) fn new(
         groups: &[GroupKind],
         region_groups: &[Vec<usize>],
@@ -150,14 +149,12 @@ impl Slots {
         for &g in &ssm_groups {
             slot_counts[g].1 = ssm_bases.len();
         }
-        // Piece rows (or whole-state rows) come region by region, the same number for each SSM region.
-        let per_region = ssm_bases.len().checked_div(ssm_regions.len()).unwrap_or(0).max(1);
-        debug_assert!(ssm_bases.is_empty() || ssm_bases.len() == per_region * ssm_regions.len());
+        debug_assert_eq!(ssm_bases.len(), ssm_regions.len());
         let ssm = ssm_bases
             .iter()
             .enumerate()
             .flat_map(|(k, &start)| {
-                let region = ssm_regions.get(k / per_region).copied().unwrap_or(0);
+                let region = ssm_regions.get(k).copied().unwrap_or(0);
                 ssm_groups.iter().map(move |&group| SsmSlot { group, region, start })
             })
             .collect();
@@ -383,7 +380,7 @@ mod tests {
         let chunks: Vec<_> = chunk_starts.into_iter().map(|c| c.map(|c| (c.clone(), c))).collect();
         let groups = [GroupKind::Attention];
         let region_groups = vec![vec![0], vec![0], vec![0]];
-        let space = IdSpace::new(&counts, 150, 0, 1, (1, 1), 16, 40, &region_groups, &groups);
+        let space = IdSpace::new(&counts, 150, &[], 1, (1, 1), 16, 40, &region_groups, &groups);
         let units = BlockUnits::new(16, 16).unwrap();
         let slots = Slots::new(&groups, &region_groups, (&[], &[]), (&space, &space), &chunks, units);
         assert_eq!(slots.layouts.len(), 2);

@@ -22,7 +22,7 @@ pub(crate) struct IdSpace {
     pub(crate) units_per_logical: u64,
     /// Tokens per logical block.
     pub(crate) logical_tokens: u64,
-    /// Largest logical id + 1 of every group.
+    /// Largest logical id + 1 of every group (an SSM group's: the fewest states of its rows).
     pub(crate) group_cap: Vec<u64>,
     /// Pairs of groups `(g, h)`, `g < h`, whose ids address a common region (see [`shared_group_pairs`]):
     /// one id in both would move (or write) the same bytes twice.
@@ -34,7 +34,7 @@ impl IdSpace {
     pub(crate) fn new(
         counts: &[u64],
         num_fa: u64,
-        ssm_streams: usize,
+        ssm_rows: &[u64],
         ppl: u64,
         (sub, per_unit): (u64, u64),
         logical_tokens: u64,
@@ -48,9 +48,21 @@ impl IdSpace {
             region_start.push(acc);
             acc += c;
         }
-        let ssm_start = (0..ssm_streams as u64).map(|s| num_fa + s * num_logical).collect();
+        // each SSM row's states: the logical blocks, or a state tensor's own slots (bounded when it was built)
+        let ssm_start = ssm_rows
+            .iter()
+            .scan(num_fa, |acc, &n| {
+                let s = *acc;
+                *acc = acc.saturating_add(n);
+                Some(s)
+            })
+            .collect();
+        let ssm_cap = ssm_rows.iter().copied().min();
         let group_cap = (0..groups.len())
             .map(|g| {
+                if groups[g] == GroupKind::Ssm {
+                    return ssm_cap.unwrap_or(num_logical);
+                }
                 let regions = region_groups.iter().enumerate().filter(|(_, gs)| gs.contains(&g));
                 regions
                     .map(|(r, _)| counts[r] / (ppl * sub * per_unit))

@@ -51,6 +51,8 @@ pub fn table_of(meta: &AgentMeta) -> Result<RegionTable, PlanError> {
             is_mla: r.is_mla,
             group: r.group,
             has_ssm: meta.ssm_regions.contains(&(i as u32)),
+            state_part: r.state_part.clone(),
+            states: r.states,
         })
         .collect();
     let conv_split = (!meta.ssm_regions.is_empty()).then(|| ConvSplit {
@@ -58,6 +60,8 @@ pub fn table_of(meta: &AgentMeta) -> Result<RegionTable, PlanError> {
         proj_bytes: meta.conv_proj_bytes.clone(),
         conv_bytes: meta.ssm_sizes.0,
         ssm_bytes: meta.ssm_sizes.1,
+        conv_rows: meta.conv_rows,
+        conv_layout: meta.conv_layout,
     });
     Ok(RegionTable {
         regions,

@@ -13,6 +13,7 @@ use crate::core::descs::{DescTable, StridedRow};
 use crate::core::kv_layout::PageOrder;
 use crate::core::meta::{AgentMeta, RegionMeta};
 use crate::core::region::{hosts_attention, GroupKind, Region, RegionTable};
+use crate::core::spec::{ConvLayout, ConvSplit, StatePart};
 use crate::core::tp::TpMapping;
 use crate::core::units::BlockUnits;
 
@@ -21,16 +22,19 @@ pub fn heads_per_rank(total_kv_heads: u64, tp: u32) -> u64 {
     (total_kv_heads / u64::from(tp)).max(1)
 }
 
-/// Remote SSM sub-streams `(offset, len)` read by the local rank: the conv sub-projections, then the temporal
+/// Remote SSM sub-streams `(offset, len)` read by the local rank in a region holding `part` of each state (the
+/// whole state for `None`): the conv sub-projections (with an `sd` conv state, per conv row), then the temporal
 /// state (C.5). With the local TP at least the remote TP the local rank's slice of each larger remote stream;
 /// otherwise every remote stream whole.
 ///
 /// # Errors
-/// `Mismatch` when the remote state sizes are not the local ones scaled by the TP ratio.
+/// `Mismatch` when the remote state sizes are not the local ones scaled by the TP ratio, or the conv layouts
+/// (and rows, for `sd`) differ.
 pub fn remote_ssm_streams(
     local: &RegionTable,
     remote: &AgentMeta,
     mapping: &TpMapping,
+    part: Option<&StatePart>,
 ) -> Result<Vec<(u64, u64)>, PlanError> {
     let Some(split) = &local.conv_split else {
         return Ok(Vec::new());
@@ -63,28 +67,47 @@ pub fn remote_ssm_streams(
             got,
         ));
     }
+    let sd = split.conv_layout == ConvLayout::Sd;
+    if split.conv_layout != remote.conv_layout || (sd && split.conv_rows != remote.conv_rows) {
+        return Err(mismatch(
+            "conv state layout (layout, rows)",
+            (split.conv_layout, split.conv_rows),
+            (remote.conv_layout, remote.conv_rows),
+        ));
+    }
+    if sd && got.iter().take(got.len() - 1).any(|&b| b % split.conv_rows.max(1) != 0) {
+        return Err(mismatch(
+            "conv sub-projection bytes (a whole number of sd conv rows)",
+            split.conv_rows,
+            &remote.conv_proj_bytes,
+        ));
+    }
+    // The remote state as the remote rank lays it out: the local split's structure at the remote's sizes.
+    let remote_split = ConvSplit {
+        proj_dims: Vec::new(),
+        proj_bytes: remote.conv_proj_bytes.clone(),
+        conv_bytes: remote.ssm_sizes.0,
+        ssm_bytes: remote.ssm_sizes.1,
+        conv_rows: split.conv_rows,
+        conv_layout: split.conv_layout,
+    };
     let local_offset = if ratio > 0 {
         u64::from(mapping.tp_rank) % ratio as u64
     } else {
         0
     };
-    let mut out = Vec::with_capacity(got.len());
-    let mut remote_base = 0u64;
-    for (i, &remote_len) in got.iter().enumerate() {
-        let base = if i + 1 == got.len() {
-            remote.ssm_sizes.0
-        } else {
-            remote_base
-        };
-        if ratio > 0 {
-            let local_len = remote_len / ratio as u64;
-            out.push((base + local_offset * local_len, local_len));
-        } else {
-            out.push((base, remote_len));
-        }
-        remote_base += remote_len;
-    }
-    Ok(out)
+    Ok(remote_split
+        .part_streams(part)
+        .into_iter()
+        .map(|(base, remote_len)| {
+            if ratio > 0 {
+                let local_len = remote_len / ratio as u64;
+                (base + local_offset * local_len, local_len)
+            } else {
+                (base, remote_len)
+            }
+        })
+        .collect())
 }
 
 /// Build the descriptor table of `remote`'s memory as seen by the local rank of `local`.
@@ -204,16 +227,16 @@ pub fn remote_table(
             }
         }
     }
-    let streams = remote_ssm_streams(local, remote, mapping)?;
     for &i in &local.ssm_regions {
         let rr = &remote.regions[i];
-        for &(off, len) in &streams {
+        for (off, len) in remote_ssm_streams(local, remote, mapping, rr.state_part.as_ref())? {
             rows.push(StridedRow {
                 addr: rr.base + off,
                 len,
                 device: dev,
                 stride: rr.block_stride * remote.ppl,
-                count: remote.num_logical_blocks,
+                // the remote's states: its logical blocks, or a state tensor's own slots
+                count: rr.states.unwrap_or(remote.num_logical_blocks),
             });
         }
     }
@@ -265,6 +288,11 @@ fn check_regions(local: &RegionTable, remote: &AgentMeta) -> Result<(), PlanErro
     let ls: Vec<u32> = local.ssm_regions.iter().map(|&i| i as u32).collect();
     if ls != remote.ssm_regions {
         return Err(mismatch("SSM regions", ls, &remote.ssm_regions));
+    }
+    let lp: Vec<_> = local.regions.iter().map(|r| &r.state_part).collect();
+    let rp: Vec<_> = remote.regions.iter().map(|r| &r.state_part).collect();
+    if lp != rp {
+        return Err(mismatch("state parts of the regions (conv, temporal)", lp, rp));
     }
     let roots = |bases: Vec<u64>| alias_roots(&bases);
     let (la, ra) = (

@@ -33,8 +33,7 @@ pub(super) fn append_rows(
         Some(ranks) => add_chunk_rows(local, local_tables, remote_tables, ranks, region_groups, l_side, r_side),
         None => vec![None; region_groups.len()],
     };
-    let streams = local.conv_split.as_ref().map_or(0, |s| s.num_streams());
-    let states = add_state_rows(local, local_tables, remote_tables, local.ssm_regions.len(), streams);
+    let states = add_state_rows(local, local_tables, remote_tables, &local.ssm_streams_per_region());
     (chunks, states)
 }
 
@@ -136,13 +135,10 @@ fn add_state_rows(
     local_rank: &RegionTable,
     local_tables: &mut [(TableKey, Arc<DescTable>)],
     remote_tables: &mut [(u32, DescTable)],
-    regions: usize,
-    streams: usize,
+    streams: &[usize],
 ) -> Option<StateStarts> {
     // The chunked base table is the rank's own, so its joined form is built once and shared too.
-    let (base, local_starts) = local_rank
-        .chunked_bases
-        .with_state_rows(&local_tables[0].1, regions, streams)?;
+    let (base, local_starts) = local_rank.chunked_bases.with_state_rows(&local_tables[0].1, streams)?;
     if base.len() > ID_LIMIT {
         return None;
     }
@@ -152,7 +148,7 @@ fn add_state_rows(
     }
     let remote: Vec<(DescTable, Vec<u64>)> = remote_tables
         .iter()
-        .map(|(_, t)| with_state_rows(t, regions, streams).filter(|(t, _)| t.len() <= ID_LIMIT))
+        .map(|(_, t)| with_state_rows(t, streams).filter(|(t, _)| t.len() <= ID_LIMIT))
         .collect::<Option<_>>()?;
     let remote_starts = remote.first()?.1.clone();
     if remote.iter().any(|(_, s)| *s != remote_starts) {

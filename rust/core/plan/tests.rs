@@ -29,6 +29,8 @@ fn kda_half(page: u64) -> LayerSpec {
         temporal_shape: vec![1, 2, 4],
         temporal_dtype_bytes: 4,
         page_size_padded: Some(page),
+        conv_layout: Default::default(),
+        part: None,
     })
 }
 

@@ -286,6 +286,8 @@ fn rank_spec(group: &Group, g: usize, tp: u32, side: &str) -> Result<LayerSpec, 
                 temporal_shape: temporal_shape.clone(),
                 temporal_dtype_bytes: *temporal_dtype_bytes,
                 page_size_padded: None,
+                conv_layout: Default::default(),
+                part: None,
             };
             let split = global
                 .conv_split(&format!("group {g}"))
