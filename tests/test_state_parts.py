@@ -69,9 +69,13 @@ def test_split_state_tables_and_plans_take_each_groups_own_count() -> None:
     moved = sum(int(m[:, 2].sum()) for m in moves)
     # attention: 2 pages of 2 heads x 4 tokens x 16 bytes; state: the whole TP-1 state (conv + temporal)
     assert moved == 2 * 2 * 4 * 16 * 2 + 32 * ROWS * 2 + 4 * 4 * 4 * 4
-    with pytest.raises(PlanError, match=f"block id {SLOTS} of group 1 is out of range: the pool has {SLOTS}"):
+    with pytest.raises(
+        PlanError, match=f"block id {SLOTS} of group 1 is out of range: the pool has {SLOTS} state slots"
+    ):
         peer.plan([[1], [SLOTS]], [[0], [1]])
-    with pytest.raises(PlanError, match=f"block id {PAGES} of group 0 is out of range: the pool has {PAGES}"):
+    with pytest.raises(
+        PlanError, match=f"block id {PAGES} of group 0 is out of range: the pool has {PAGES} logical blocks"
+    ):
         peer.plan([[PAGES], [1]], [[0], [1]])
 
 

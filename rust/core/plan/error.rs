@@ -73,7 +73,7 @@ pub enum PlanError {
         expected: usize,
     },
     /// A block id outside the pool.
-    #[error("{side} block id {id} of group {group} is out of range: the pool has {limit} {unit} blocks")]
+    #[error("{side} block id {id} of group {group} is out of range: the pool has {limit} {unit}")]
     BlockOutOfRange {
         /// Which side.
         side: Side,
@@ -83,7 +83,8 @@ pub enum PlanError {
         id: u64,
         /// Number of blocks.
         limit: u64,
-        /// "logical" or "kernel".
+        /// What the pool counts: "logical blocks", or "state slots" for a state group whose tensors have
+        /// their own slot count.
         unit: &'static str,
     },
     /// SSM state lists that cannot be paired (decode longer than prefill by two or more).

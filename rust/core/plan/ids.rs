@@ -24,6 +24,8 @@ pub(crate) struct IdSpace {
     pub(crate) logical_tokens: u64,
     /// Largest logical id + 1 of every group (an SSM group's: the fewest states of its rows).
     pub(crate) group_cap: Vec<u64>,
+    /// What each group's cap counts (`PlanError::BlockOutOfRange`'s unit).
+    pub(crate) group_unit: Vec<&'static str>,
     /// Pairs of groups `(g, h)`, `g < h`, whose ids address a common region (see [`shared_group_pairs`]):
     /// one id in both would move (or write) the same bytes twice.
     pub(crate) shared: Vec<(usize, usize)>,
@@ -69,6 +71,13 @@ impl IdSpace {
                     .fold(num_logical, u64::min)
             })
             .collect();
+        let group_unit = groups
+            .iter()
+            .map(|&k| match (k, ssm_cap) {
+                (GroupKind::Ssm, Some(cap)) if cap != num_logical => "state slots",
+                _ => "logical blocks",
+            })
+            .collect();
         let region_blocks = counts.iter().map(|c| c / (sub * per_unit)).collect();
         IdSpace {
             region_start,
@@ -77,6 +86,7 @@ impl IdSpace {
             units_per_logical: ppl * sub,
             logical_tokens,
             group_cap,
+            group_unit,
             shared: Vec::new(),
         }
     }
@@ -96,7 +106,7 @@ impl IdSpace {
                     group: g,
                     id,
                     limit: cap,
-                    unit: "logical",
+                    unit: self.group_unit[g],
                 });
             }
             if let Some(id) = first_duplicate(list) {
