@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import zmq
 from _peers import pattern, payload_for, pump, registration, tables, tables_from_payload
 
 from hybrid_kv.transport import Endpoint
@@ -151,3 +152,23 @@ def test_a_killed_side_channel_process_is_restarted_on_its_address() -> None:
         d.connect(0, p.address, tables_from_payload, timeout_s=10.0)
         d.send_control(p.address, b"after the restart", timeout_s=10.0, expected_name="P")
         assert [c.payload for c in pump(p, lambda e: bool(e.control), 10.0).control] == [b"after the restart"]
+
+
+def test_a_message_zeromq_cannot_queue_yet_is_sent_once_it_can(
+    pair: tuple[Endpoint, Endpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection with no pipe yet refuses a non-blocking send with EAGAIN (ZeroMQ remaking a connection); the
+    courier reported the message lost at once. Now it is sent once the pipe is there (``ZMQ_IMMEDIATE`` on every
+    client makes each fresh connection refuse sends until connected)."""
+    connect = zmq.Socket.connect
+
+    def immediately(sock: zmq.Socket, address: str) -> object:  # type: ignore[type-arg]
+        if sock.type == zmq.DEALER:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        return connect(sock, address)
+
+    monkeypatch.setattr(zmq.Socket, "connect", immediately)
+    p, d = pair
+    d.courier.send(p.address, b"late pipe", "P", timeout_s=30.0, tag="late")
+    ((outcome, _),) = _outcomes(d, 1, 30.0)
+    assert outcome.delivered, outcome

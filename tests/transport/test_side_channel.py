@@ -65,6 +65,28 @@ def test_meta_and_control_round_trip(
         fetch_named_meta(ctx, server.address, 5, "D", 2.0, key=KEY)
 
 
+def test_a_request_zeromq_cannot_queue_yet_is_sent_once_it_can(
+    ctx: zmq.Context,  # type: ignore[type-arg]
+    served: tuple[SideChannelServer, Owner],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection with no pipe yet (ZeroMQ remaking it after a failed handshake) refuses a non-blocking send
+    with EAGAIN; the client raised "Resource temporarily unavailable" (seen in a CI-like run). It now waits for
+    the pipe: here ``ZMQ_IMMEDIATE`` on every client makes each fresh connection refuse sends until connected."""
+    server, owner = served
+    connect = zmq.Socket.connect
+
+    def immediately(sock: zmq.Socket, address: str) -> object:  # type: ignore[type-arg]
+        if sock.type == zmq.DEALER:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        return connect(sock, address)
+
+    monkeypatch.setattr(zmq.Socket, "connect", immediately)
+    assert send_control(ctx, server.address, b"late pipe", "D", 5.0, key=KEY) == "P"
+    assert fetch_named_meta(ctx, server.address, 1, "D", 5.0, key=KEY) == ("P", b"payload-1", b"nixl-md")
+    assert owner.controls == [("D", b"late pipe")]
+
+
 def mute_server(ctx: zmq.Context) -> tuple[zmq.Socket, int]:  # type: ignore[type-arg]
     """A CURVE server holding the deployment's key (no ZAP handler: it admits anyone) that never answers."""
     mute = ctx.socket(zmq.ROUTER)

@@ -179,6 +179,15 @@ def handshake_failed(monitor: zmq.Socket[bytes], address: str, *, keyed: bool) -
     return ChannelError(f"peer at {address} failed authentication: {why}")
 
 
+def _try_send(sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
+    """Queue ``frames`` without blocking; whether ZeroMQ took them."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 def _call(
     ctx: zmq.Context[zmq.Socket[bytes]],
     address: str,
@@ -202,10 +211,12 @@ def _call(
     monitor: zmq.Socket[bytes] | None = None
     try:
         sock, monitor = open_client(ctx, address, keys)
-        sock.send_multipart(frames, zmq.NOBLOCK)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        # sent once ZeroMQ takes it: a connection whose handshake just failed has no pipe to queue on (EAGAIN)
+        # until it reconnects, and the monitor then says why
+        unsent = not _try_send(sock, frames)
+        poller.register(sock, zmq.POLLIN | zmq.POLLOUT if unsent else zmq.POLLIN)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -217,7 +228,10 @@ def _call(
                 err = handshake_failed(monitor, address, keyed=keys is not None)
                 if err is not None:
                     raise err
-            if sock in ready:
+            if unsent and ready.get(sock, 0) & zmq.POLLOUT and _try_send(sock, frames):
+                unsent = False
+                poller.modify(sock, zmq.POLLIN)
+            if ready.get(sock, 0) & zmq.POLLIN:
                 return parse_reply(address, sock.recv_multipart(), request_id, to)
     except zmq.ZMQError as exc:
         raise ChannelError(f"side channel to {address} failed: {exc}") from exc

@@ -258,9 +258,12 @@ class Courier:
                 if dest.sock is None:
                     dest.sock, dest.monitor = open_client(self._ctx, dest.address, self._keys, refusals=True)
                     dest.refused = False
+                    dest.last_used = now  # a new connection is not idle (its first send may wait for its pipe)
                 letter.request_id = os.urandom(REQUEST_ID_BYTES)
                 frames = control_frames(letter.request_id, self.name, letter.payload, dest.to)
                 dest.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:  # no pipe yet (a connection being remade): sent at a later pass, or lost at its deadline
+                break
             except (ChannelError, zmq.ZMQError) as exc:
                 dest.queue.popleft()
                 self._lost(dest.address, dest.to, letter, f"{type(exc).__name__}: {exc}")
