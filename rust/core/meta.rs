@@ -9,7 +9,7 @@ pub use super::engine_info::{is_compat_hash, EngineInfo, COMPAT_HASH_LEN};
 use super::kv_layout::{page_order_of, PageOrder};
 use super::layout::MemType;
 use super::region::{GroupKind, RegionTable};
-use super::spec::{ConvLayout, StatePart};
+use super::spec::{ConvLayout, ConvSplit, StatePart};
 
 fn is_ds(layout: &ConvLayout) -> bool {
     *layout == ConvLayout::Ds
@@ -137,6 +137,19 @@ impl AgentMeta {
     /// a layout whose pages are not contiguous; a well-formed metadata with attention groups has one).
     pub fn page_order(&self) -> Option<PageOrder> {
         page_order_of(&self.kv_layout).ok().flatten()
+    }
+
+    /// The SSM state split this rank advertises (its sizes, conv sub-projections and conv layout; the split's
+    /// dims are a local fact and stay empty).
+    pub fn conv_split(&self) -> ConvSplit {
+        ConvSplit {
+            proj_dims: Vec::new(),
+            proj_bytes: self.conv_proj_bytes.clone(),
+            conv_bytes: self.ssm_sizes.0,
+            ssm_bytes: self.ssm_sizes.1,
+            conv_rows: self.conv_rows,
+            conv_layout: self.conv_layout,
+        }
     }
 
     /// Describe a rank's region table for its peers.

@@ -19,7 +19,6 @@ use crate::core::coalesce::ChunkedBases;
 use crate::core::handshake::check_well_formed;
 use crate::core::meta::AgentMeta;
 use crate::core::region::{BlockGeometry, Region, RegionTable};
-use crate::core::spec::ConvSplit;
 
 /// The region table an [`AgentMeta`] describes, as the rank that sent it built it (regions, groups, geometry,
 /// SSM state layout); the registered bytes of a region are its extent, and the conv channel counts (which
@@ -55,14 +54,7 @@ pub fn table_of(meta: &AgentMeta) -> Result<RegionTable, PlanError> {
             states: r.states,
         })
         .collect();
-    let conv_split = (!meta.ssm_regions.is_empty()).then(|| ConvSplit {
-        proj_dims: Vec::new(),
-        proj_bytes: meta.conv_proj_bytes.clone(),
-        conv_bytes: meta.ssm_sizes.0,
-        ssm_bytes: meta.ssm_sizes.1,
-        conv_rows: meta.conv_rows,
-        conv_layout: meta.conv_layout,
-    });
+    let conv_split = (!meta.ssm_regions.is_empty()).then(|| meta.conv_split());
     Ok(RegionTable {
         regions,
         ssm_regions: meta.ssm_regions.iter().map(|&i| i as usize).collect(),

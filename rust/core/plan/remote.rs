@@ -83,13 +83,10 @@ pub fn remote_ssm_streams(
         ));
     }
     // The remote state as the remote rank lays it out: the local split's structure at the remote's sizes.
+    // (its conv layout was checked equal above, and its rows too where they matter, `sd`)
     let remote_split = ConvSplit {
-        proj_dims: Vec::new(),
-        proj_bytes: remote.conv_proj_bytes.clone(),
-        conv_bytes: remote.ssm_sizes.0,
-        ssm_bytes: remote.ssm_sizes.1,
         conv_rows: split.conv_rows,
-        conv_layout: split.conv_layout,
+        ..remote.conv_split()
     };
     let local_offset = if ratio > 0 {
         u64::from(mapping.tp_rank) % ratio as u64
