@@ -205,3 +205,18 @@ class Peer:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(10)
+
+
+def connect_immediately(monkeypatch: Any) -> None:
+    """Every ZeroMQ DEALER connected from now on (the side channel's clients) sets ``ZMQ_IMMEDIATE``: a fresh
+    connection refuses sends (EAGAIN) until it is connected, as one being remade after a failed handshake does."""
+    import zmq
+
+    connect = zmq.Socket.connect
+
+    def immediately(sock: zmq.Socket, address: str) -> object:  # type: ignore[type-arg]
+        if sock.type == zmq.DEALER:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        return connect(sock, address)
+
+    monkeypatch.setattr(zmq.Socket, "connect", immediately)

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import zmq
-from _peers import pattern, payload_for, pump, registration, tables, tables_from_payload
+from _peers import connect_immediately, pattern, payload_for, pump, registration, tables, tables_from_payload
 
 from hybrid_kv.transport import Endpoint
 from hybrid_kv.transport.courier import WINDOW, Delivery
@@ -160,14 +159,7 @@ def test_a_message_zeromq_cannot_queue_yet_is_sent_once_it_can(
     """A connection with no pipe yet refuses a non-blocking send with EAGAIN (ZeroMQ remaking a connection); the
     courier reported the message lost at once. Now it is sent once the pipe is there (``ZMQ_IMMEDIATE`` on every
     client makes each fresh connection refuse sends until connected)."""
-    connect = zmq.Socket.connect
-
-    def immediately(sock: zmq.Socket, address: str) -> object:  # type: ignore[type-arg]
-        if sock.type == zmq.DEALER:
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-        return connect(sock, address)
-
-    monkeypatch.setattr(zmq.Socket, "connect", immediately)
+    connect_immediately(monkeypatch)
     p, d = pair
     d.courier.send(p.address, b"late pipe", "P", timeout_s=30.0, tag="late")
     ((outcome, _),) = _outcomes(d, 1, 30.0)

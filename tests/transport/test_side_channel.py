@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from _peers import connect_immediately
 
 from hybrid_kv.errors import ChannelError
 from hybrid_kv.transport import auth, curve
@@ -74,14 +75,7 @@ def test_a_request_zeromq_cannot_queue_yet_is_sent_once_it_can(
     with EAGAIN; the client raised "Resource temporarily unavailable" (seen in a CI-like run). It now waits for
     the pipe: here ``ZMQ_IMMEDIATE`` on every client makes each fresh connection refuse sends until connected."""
     server, owner = served
-    connect = zmq.Socket.connect
-
-    def immediately(sock: zmq.Socket, address: str) -> object:  # type: ignore[type-arg]
-        if sock.type == zmq.DEALER:
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-        return connect(sock, address)
-
-    monkeypatch.setattr(zmq.Socket, "connect", immediately)
+    connect_immediately(monkeypatch)
     assert send_control(ctx, server.address, b"late pipe", "D", 5.0, key=KEY) == "P"
     assert fetch_named_meta(ctx, server.address, 1, "D", 5.0, key=KEY) == ("P", b"payload-1", b"nixl-md")
     assert owner.controls == [("D", b"late pipe")]
