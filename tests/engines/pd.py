@@ -29,10 +29,10 @@ from engine import (
     Engine,
     EngineError,
     core_partition,
-    free_port_range,
     logprobs,
     tokens,
 )
+from free_ports import listen_ports
 
 START_TIMEOUT_S = float(os.environ.get("HYBRID_KV_ENGINE_START_TIMEOUT_S", "1500"))
 WARMUP_TIMEOUT_S = 900.0
@@ -156,7 +156,8 @@ class PdPair:
         ktc, extra = CONNECTORS[connector]
         engines = []
         binds = core_partition(2, [decode_tp, 1])
-        ports = {"decode": free_port_range(8), "prefill": free_port_range(8)}
+        # each engine: side channels on base + rank (rank < 8), its HTTP server on base + 9
+        ports = dict(zip(("decode", "prefill"), listen_ports(2, ranks=10), strict=True))
         for role, bind in zip(("decode", "prefill"), binds, strict=True):
             tp = decode_tp if role == "decode" else 1
             port = ports[role]
@@ -189,7 +190,7 @@ class PdPair:
             args += list((prefill_args if role == "prefill" else decode_args) or [])
             if tp > 1:
                 args += ["--tensor-parallel-size", str(tp)]
-            e = Engine(f"{model_name}-{connector}-{role}", model, log_dir, cfg, args, e_env)
+            e = Engine(f"{model_name}-{connector}-{role}", model, log_dir, cfg, args, e_env, port=port + 9)
             engines.append(e)
         decode, prefill = engines
         for e in engines:

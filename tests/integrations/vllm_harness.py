@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import random
-import socket
 import time
 import traceback
 import zlib
@@ -35,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from free_ports import listen_port
+from free_ports import listen_ports as side_channel_ports  # noqa: F401  (the name the tests import from here)
 
 MODELS = ("kimi", "gqa", "mla")
 KB = 16  # kernel block (tokens) of every attention group here
@@ -360,33 +360,6 @@ class Memory:
 # ---------------------------------------------------------------------------------------------- worker process
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def side_channel_ports(n: int, ranks: int = 8, spacing: int = 50) -> list[int]:
-    """``n`` side-channel base ports, ``spacing`` apart (rank r of engine i listens on base_i + r, r < ``ranks``),
-    free now and below the ephemeral range (32768 and up here), where connections' local ports would collide
-    with them."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, 32000, 100)
-        if all(_port_free(base + spacing * i + r) for i in range(n) for r in range(ranks)):
-            return [base + spacing * i for i in range(n)]
-    raise RuntimeError("no free side-channel ports between 10000 and 32000")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) nstype of a network namespace
 CLONE_NEWNS = 0x00020000  # <sched.h>: unshare(2) flag of a mount namespace
 MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2  # <sys/mount.h>
@@ -670,7 +643,7 @@ class Workers:
         ctx = _context(spec.device)
         self.spec = spec
         self.timeout_s = timeout_s
-        dist_port = _free_port()
+        dist_port = listen_port()
         self.conns = []
         self.procs = []
         for r in range(spec.tp):
