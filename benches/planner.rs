@@ -13,7 +13,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use hybrid_kv::core::fixtures::{deepseek_v3_like, kimi_linear_like};
 use hybrid_kv::core::plan::PeerPlan;
 use hybrid_kv::core::scenario::{Deployment, Engine, Group, Model, Request, Scenario, Tensor, TensorLayer};
-use hybrid_kv::core::{DescTable, MambaKind, RegionTable, TransferMode};
+use hybrid_kv::core::{ConvLayout, DescTable, MambaKind, RegionTable, TransferMode};
 
 fn bench_tables(c: &mut Criterion) {
     let mut g = c.benchmark_group("local_table");
@@ -43,7 +43,11 @@ fn bench_tables(c: &mut Criterion) {
 const REQUEST_TOKENS: [(&str, u64); 3] = [("4k", 4 * 1024), ("32k", 32 * 1024), ("128k", 128 * 1024)];
 
 fn layer(name: String, group: u32) -> TensorLayer {
-    TensorLayer { name, group }
+    TensorLayer {
+        name,
+        group,
+        part: None,
+    }
 }
 
 /// DeepSeek-V3: 61 MLA layers, 576 bf16 latents per token, kernel = logical block of 64 tokens.
@@ -70,6 +74,7 @@ fn kimi_linear() -> Model {
         conv_dtype_bytes: 2,
         temporal_shape: vec![32, 128, 128],
         temporal_dtype_bytes: 4,
+        conv_layout: ConvLayout::Ds,
     };
     let groups = vec![
         Group::Mla {
@@ -107,6 +112,7 @@ fn engine(tp: u32, logical: u64, num_blocks: u64) -> Engine {
         kernel_block_size: 64,
         num_blocks,
         kv_layout: None,
+        state_slots: None,
     }
 }
 

@@ -29,7 +29,7 @@ pub use error::LayoutError;
 pub use layout::{LayerInput, LayerMemory, MemType, RankLayout};
 pub use meta::{AgentMeta, EngineInfo, RegionMeta, TransferMode, META_VERSION};
 pub use region::{GroupKind, LayerPlace, Region, RegionTable};
-pub use spec::{AttentionSpec, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec};
+pub use spec::{AttentionSpec, ConvLayout, ConvSplit, LayerSpec, MambaKind, MlaSpec, SsmSpec, StatePart};
 /// Small specs and layouts for tests and benches (not in the wheel: `test-support` feature).
 #[cfg(any(test, feature = "test-support"))]
 pub mod fixtures;

@@ -13,7 +13,7 @@ use proptest::prelude::*;
 
 use super::meta::TransferMode;
 use super::scenario::{Deployment, Engine, Group, Model, RankState, Request, Scenario, Tensor, TensorLayer};
-use super::spec::MambaKind;
+use super::spec::{ConvLayout, MambaKind};
 
 pub(crate) fn mix(mut h: u64, v: u64) -> u64 {
     h ^= v
@@ -77,7 +77,12 @@ fn kind(g: &Group, tp: u64, rank: u64) -> Kind {
             conv_dtype_bytes,
             temporal_shape,
             temporal_dtype_bytes,
+            conv_layout,
         } => {
+            assert!(
+                conv_layout.is_ds(),
+                "the oracle models ds conv states (state_split_tests covers sd)"
+            );
             let first = temporal_shape[0] * temporal_shape.get(1).copied().unwrap_or(1);
             let dims = match mamba {
                 MambaKind::Mamba1 => vec![*conv_dim],
@@ -351,6 +356,7 @@ fn ssm(mamba: MambaKind) -> Group {
             conv_dtype_bytes: 1,
             temporal_shape,
             temporal_dtype_bytes: 2,
+            conv_layout: ConvLayout::Ds,
         };
     }
     Group::Ssm {
@@ -360,11 +366,16 @@ fn ssm(mamba: MambaKind) -> Group {
         conv_dtype_bytes: 1,
         temporal_shape: vec![8, 1, 1],
         temporal_dtype_bytes: 2,
+        conv_layout: ConvLayout::Ds,
     }
 }
 
 fn layer(name: String, group: u32) -> TensorLayer {
-    TensorLayer { name, group }
+    TensorLayer {
+        name,
+        group,
+        part: None,
+    }
 }
 
 fn model(f: Family, heads: u64) -> Model {
@@ -517,8 +528,8 @@ prop_compose! {
         Scenario {
             name: Some(format!("{fam:?}")),
             model: m,
-            prefill: Engine { tp_size: ptp, logical_block_size: pl, kernel_block_size: pk, num_blocks: pn, kv_layout: layouts.0.map(String::from) },
-            decode: Engine { tp_size: dtp, logical_block_size: dl, kernel_block_size: dk, num_blocks: dn, kv_layout: layouts.1.map(String::from) },
+            prefill: Engine { tp_size: ptp, logical_block_size: pl, kernel_block_size: pk, num_blocks: pn, kv_layout: layouts.0.map(String::from), state_slots: None },
+            decode: Engine { tp_size: dtp, logical_block_size: dl, kernel_block_size: dk, num_blocks: dn, kv_layout: layouts.1.map(String::from), state_slots: None },
             mode: if push { TransferMode::Push } else { TransferMode::Pull },
             requests,
         }
@@ -574,6 +585,7 @@ fn oracle_contiguous_requests_use_chunks() {
                         kernel_block_size: 4,
                         num_blocks: 48,
                         kv_layout: None,
+                        state_slots: None,
                     },
                     decode: Engine {
                         tp_size: dtp,
@@ -581,6 +593,7 @@ fn oracle_contiguous_requests_use_chunks() {
                         kernel_block_size: dk,
                         num_blocks: 48,
                         kv_layout: None,
+                        state_slots: None,
                     },
                     mode,
                     requests: vec![req],
@@ -613,6 +626,7 @@ fn oracle_hybrid_mla_tp_grid() {
                         kernel_block_size: 4,
                         num_blocks: 6,
                         kv_layout: None,
+                        state_slots: None,
                     },
                     decode: Engine {
                         tp_size: dtp,
@@ -620,6 +634,7 @@ fn oracle_hybrid_mla_tp_grid() {
                         kernel_block_size: 2,
                         num_blocks: 6,
                         kv_layout: None,
+                        state_slots: None,
                     },
                     mode,
                     requests: vec![req],
@@ -650,6 +665,7 @@ fn oracle_token_major_pages_of_different_block_sizes() {
                     kernel_block_size: k,
                     num_blocks: 6,
                     kv_layout: Some(layout.into()),
+                    state_slots: None,
                 };
                 let mut s = Scenario {
                     name: None,
@@ -709,6 +725,7 @@ fn oracle_heads_major_pages_of_different_block_sizes() {
                         kernel_block_size: k,
                         num_blocks: 6,
                         kv_layout: layout.map(String::from),
+                        state_slots: None,
                     };
                     let s = Scenario {
                         name: Some(format!(

@@ -25,14 +25,14 @@ const HEAD_BYTES: u64 = 4 * 2 * 4;
 const KV_HEADS: u64 = 2;
 const HEAD_SIZE: u64 = 4;
 const PAGE_TOKENS: u64 = 4;
-const PAGES: u64 = 6;
+pub(crate) const PAGES: u64 = 6;
 /// State slots of each state tensor (a pool of its own size, larger than the page pool here).
-const SLOTS: u64 = 9;
+pub(crate) const SLOTS: u64 = 9;
 const LAYERS: u64 = 2;
 
 /// How a rank's states are stored.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Store {
+pub(crate) enum Store {
     /// One tensor per layer holding whole states (`[conv ds | temporal | 8 bytes padding]`).
     Fused,
     /// One conv tensor of Q|K|V channels and a temporal tensor (SGLang's Qwen3-Next pools).
@@ -110,7 +110,7 @@ fn tensors(store: Store, tp: u64, rank: u64) -> Vec<Tensor> {
     out
 }
 
-fn layout(store: Store, tp: u64, rank: u64) -> RankLayout {
+pub(crate) fn layout(store: Store, tp: u64, rank: u64) -> RankLayout {
     let ssm = |part: Option<StatePart>, conv_layout| {
         LayerSpec::Ssm(SsmSpec {
             kind: MambaKind::Gdn,
@@ -379,7 +379,7 @@ fn transfer(
     assert!(p_before == p_after, "{store:?}: prefill memory changed");
 }
 
-const STORES: [Store; 5] = [
+pub(crate) const STORES: [Store; 5] = [
     Store::Fused,
     Store::OneConv(ConvLayout::Ds),
     Store::OneConv(ConvLayout::Sd),

@@ -127,7 +127,8 @@ fn check_engine(e: &Engine, side: &str) -> Result<(), ScenarioError> {
         ("kernel_block_size", e.kernel_block_size, MAX_BLOCK_TOKENS),
         ("num_blocks", e.num_blocks, MAX_NUM_BLOCKS),
     ];
-    for (field, value, limit) in bounds {
+    let slots = e.state_slots.map(|v| ("state_slots", v, MAX_NUM_BLOCKS));
+    for (field, value, limit) in bounds.into_iter().chain(slots) {
         positive(|| format!("{side}.{field}"), value)?;
         at_most(|| format!("{side}.{field}"), value, limit)?;
     }

@@ -15,6 +15,8 @@ pub mod report;
 #[cfg(test)]
 mod check_tests;
 #[cfg(test)]
+mod state_parts_tests;
+#[cfg(test)]
 mod tests;
 
 use serde::{Deserialize, Serialize};
@@ -26,7 +28,7 @@ use super::meta::{AgentMeta, EngineInfo, TransferMode};
 use super::plan::PlanError;
 use super::plan::{PeerPlan, Plan};
 use super::region::RegionTable;
-use super::spec::{AttentionSpec, LayerSpec, MambaKind, MlaSpec, SsmSpec};
+use super::spec::{AttentionSpec, ConvLayout, LayerSpec, MambaKind, MlaSpec, SsmSpec, StatePart};
 use super::tp::handshake_target_ranks;
 
 /// A whole deployment: model, both engines, mode and requests.
@@ -97,6 +99,9 @@ pub enum Group {
         temporal_shape: Vec<u64>,
         /// Bytes per temporal element.
         temporal_dtype_bytes: u64,
+        /// How the conv state is stored: `ds` (channels x rows, the default) or `sd` (rows x channels).
+        #[serde(default, skip_serializing_if = "ConvLayout::is_ds")]
+        conv_layout: ConvLayout,
     },
 }
 
@@ -116,6 +121,10 @@ pub struct TensorLayer {
     pub name: String,
     /// Index into `model.groups`.
     pub group: u32,
+    /// SSM layers only: the part of the state this tensor holds, for a state split over several tensors
+    /// (`{"conv": [0, 1, 2]}`, `"temporal"`; SGLang's `MambaPool`); the whole state when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<StatePart>,
 }
 
 /// One engine (prefill or decode).
@@ -130,6 +139,10 @@ pub struct Engine {
     pub kernel_block_size: u64,
     /// Logical blocks in the pool.
     pub num_blocks: u64,
+    /// State slots of every tensor holding SSM layers alone: a slot-indexed state pool sized apart from the
+    /// page pool (SGLang's `MambaPool`); such tensors hold `num_blocks` states when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_slots: Option<u64>,
     /// The engine's KV-cache layout name (`HND`, `NHD`, vLLM's `LBHNC`...): the order of (head, token) cells
     /// in its attention pages (heads-major when absent). Both engines' pages must order cells alike.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -278,6 +291,7 @@ fn rank_spec(group: &Group, g: usize, tp: u32, side: &str) -> Result<LayerSpec, 
             conv_dtype_bytes,
             temporal_shape,
             temporal_dtype_bytes,
+            conv_layout,
         } => {
             let global = SsmSpec {
                 kind: *mamba,
@@ -286,7 +300,7 @@ fn rank_spec(group: &Group, g: usize, tp: u32, side: &str) -> Result<LayerSpec, 
                 temporal_shape: temporal_shape.clone(),
                 temporal_dtype_bytes: *temporal_dtype_bytes,
                 page_size_padded: None,
-                conv_layout: Default::default(),
+                conv_layout: *conv_layout,
                 part: None,
             };
             let split = global
@@ -308,6 +322,30 @@ fn rank_spec(group: &Group, g: usize, tp: u32, side: &str) -> Result<LayerSpec, 
             })
         }
     })
+}
+
+/// The spec of layer `l` on this rank: its group's, holding the layer's state part if it names one.
+fn layer_spec(specs: &[LayerSpec], l: &TensorLayer) -> Result<LayerSpec, ScenarioError> {
+    let n = specs.len();
+    let spec = specs.get(l.group as usize).ok_or_else(|| {
+        invalid(format!(
+            "layer {} names group {} but the model has {n} group{}",
+            l.name,
+            l.group,
+            if n == 1 { "" } else { "s" }
+        ))
+    })?;
+    match (spec, &l.part) {
+        (_, None) => Ok(spec.clone()),
+        (LayerSpec::Ssm(ssm), Some(part)) => Ok(LayerSpec::Ssm(SsmSpec {
+            part: Some(part.clone()),
+            ..ssm.clone()
+        })),
+        (_, Some(_)) => Err(invalid(format!(
+            "layer {}: part is for the layers of an ssm group; group {} is not one",
+            l.name, l.group
+        ))),
+    }
 }
 
 const GAP: u64 = 4096;
@@ -360,16 +398,8 @@ fn rank_layout(
         let mut attn_page: Option<u64> = None;
         let mut state = 0u64;
         for l in &tensor.layers {
-            let spec = specs.get(l.group as usize).ok_or_else(|| {
-                invalid(format!(
-                    "layer {} names group {} but the model has {} group{}",
-                    l.name,
-                    l.group,
-                    groups.len(),
-                    if groups.len() == 1 { "" } else { "s" }
-                ))
-            })?;
-            if let LayerSpec::Ssm(ssm) = spec {
+            let spec = layer_spec(&specs, l)?;
+            if let LayerSpec::Ssm(ssm) = &spec {
                 state = state.max(ssm.state_bytes(&l.name).map_err(layout_err)?);
             } else {
                 let page = spec
@@ -392,12 +422,14 @@ fn rank_layout(
             Some(p) => p,
             None => state,
         };
-        let bytes = engine
-            .num_blocks
+        // a tensor of states alone is a slot pool of the engine's `state_slots` when it gives them
+        let slots = engine.state_slots.filter(|_| attn_page.is_none());
+        let bytes = slots
+            .unwrap_or(engine.num_blocks)
             .checked_mul(page)
             .ok_or_else(|| invalid(format!("tensor {t}: size overflows")))?;
         for l in &tensor.layers {
-            let mut spec = specs[l.group as usize].clone();
+            let mut spec = layer_spec(&specs, l)?;
             if let LayerSpec::Ssm(ssm) = &mut spec {
                 ssm.page_size_padded = Some(page);
             }
@@ -407,7 +439,7 @@ fn rank_layout(
                 block_stride: 0,
                 device: rank,
                 mem_type: MemType::Vram,
-                num_blocks: None,
+                num_blocks: slots,
                 page_layout: None,
             };
             layers.push(LayerInput {
