@@ -22,23 +22,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness_memory import CONTENT_TOKENS, Content, Memory
+from harness_models import KB, EngineSpec, build
 from tickets_helper import reissue
-from vllm_harness import (
-    KB,
-    Content,
-    Engine,
-    EngineSpec,
-    Memory,
-    build,
-    prompt,
-    run_until,
-    side_channel_ports,
-)
+from vllm_harness import Engine, prompt, run_until, side_channel_ports
 
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-CONTENT_TOKENS = 2048
 STEP_BOUND_S = 1.0  # a decode step (scheduler + every worker's hooks) while a handshake is stuck
 
 
