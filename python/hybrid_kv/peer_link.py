@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -185,7 +185,7 @@ class PeerLink:
 
     Attributes:
         engine_id: the peer engine.
-        scope: the endpoint's local table scope holding this link's tables (also the prefix of its peer keys).
+        scope: the endpoint's local table scope holding this link's tables (its peer keys are ``(scope, rank)``).
         targets: the peer ranks connected, each under ``key(rank)``.
         addresses: each target rank's side-channel address.
         planner: the ``RankPlanner`` (``planner.plan_`` is the ``PeerPlan``).
@@ -211,20 +211,30 @@ class PeerLink:
         """The local tables (strided rows) prepped in this link's scope, by key."""
         return self.planner.local_tables
 
-    def key(self, rank: int) -> str:
-        """The endpoint's peer key of target ``rank``."""
-        return f"{self.scope}/{rank}"
+    def key(self, rank: int) -> tuple[str, int]:
+        """The endpoint's peer key of target ``rank``: ``(scope, rank)``."""
+        return (self.scope, rank)
 
     def rank_of(self, key: PeerKey) -> int:
-        """The target rank of one of this link's peer keys."""
-        return int(str(key).rsplit("/", 1)[1])
+        """The target rank of one of this link's peer keys.
 
-    def peer_keys(self) -> list[str]:
+        Raises:
+            ValueError: ``key`` is not one of this link's keys.
+        """
+        if not (isinstance(key, tuple) and key[0] == self.scope and key[1] in self.addresses):
+            raise ValueError(f"peer key {key!r} is not one of link {self.scope!r}'s")
+        return key[1]
+
+    def peer_keys(self) -> list[tuple[str, int]]:
         return [self.key(r) for r in self.targets]
+
+    def _addressed(self, t: Transfer) -> Transfer:
+        """A planned transfer (its peer the remote rank, as the planner emits it) addressed to this link's peer."""
+        return t._replace(peer=self.key(cast(int, t.peer)))
 
     def transfers(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> list[Transfer]:
         """One request's transfers, addressed to this link's peers (empty when nothing moves)."""
-        return [t._replace(peer=self.key(int(t.peer))) for t in self.planner.plan(local_ids, remote_ids)]
+        return [self._addressed(t) for t in self.planner.plan(local_ids, remote_ids)]
 
     def staged_transfers(
         self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], schedule: StreamSchedule
@@ -232,8 +242,7 @@ class PeerLink:
         """One request's transfers cut into ``schedule``'s stages (one list per stage, possibly empty), addressed
         to this link's peers: together exactly ``transfers``."""
         return [
-            [t._replace(peer=self.key(int(t.peer))) for t in stage]
-            for stage in self.planner.plan_staged(local_ids, remote_ids, schedule)
+            [self._addressed(t) for t in stage] for stage in self.planner.plan_staged(local_ids, remote_ids, schedule)
         ]
 
     def close(self) -> None:

@@ -26,14 +26,15 @@ __all__ = [
 ]
 
 Op = Literal["READ", "WRITE"]
-PeerKey = int | str
+PeerKey = int | str | tuple[str, int]
+"""What an endpoint knows a connected peer by: any key its caller picks (a peer link uses ``(scope, rank)``)."""
 
 
 class Transfer(NamedTuple):
     """One batch of descriptor pairs between this endpoint and one peer, as the planner emits it.
 
     Attributes:
-        peer: the key the peer was connected under (typically the remote rank).
+        peer: the key the peer was connected under (the remote rank, or a peer link's ``(scope, rank)``).
         local_key: name of a local table (``"whole"``, ``"split:0"``...).
         remote_key: name of one of the peer's tables.
         local_ids: int32 descriptor ids into the local table.
