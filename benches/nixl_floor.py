@@ -168,17 +168,17 @@ def _decode(cfg: DemoConfig, rank: int, inbox: Any, outbox: Any, prof: str) -> N
     )
     link = attach_link(ep, prepared, "peer", timeout_s=10.0)
     plans = [link.transfers(r.decode_ids, r.prefill_ids) for r in requests]
-    nbytes = sum(link.planner.transfer_bytes(t) for p in plans for t in p)
+    nbytes = sum(link.transfer_bytes(t) for p in plans for t in p)
     ids = sum(int(t.local_ids.size) for p in plans for t in p)
 
     agent, _reg = _bare_agent(f"bare-decode-{rank}", registration)
-    local = {k: agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM") for k, rows in link.planner.local_tables.items()}
+    local = {k: agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM") for k, rows in link.local_tables.items()}
     remote: dict[int, dict[str, Any]] = {}
     for r in targets:
         name = agent.add_remote_agent(bare_mds[r])
         name = name.decode() if isinstance(name, bytes) else name
         agent.make_connection(name)  # as transport.Agent.add_remote does
-        remote[r] = {k: agent.prep_xfer_dlist(name, rows, "DRAM") for k, rows in link.planner.remote_tables(r).items()}
+        remote[r] = {k: agent.prep_xfer_dlist(name, rows, "DRAM") for k, rows in link.remote_tables(r).items()}
     bare_items = []
     for req, p in zip(requests, plans, strict=True):
         per_peer: dict[int, int] = {}

@@ -114,10 +114,8 @@ def main() -> None:
         for i, addr in enumerate(addresses):
             t0, rss0 = time.perf_counter(), _rss_mib()
             prepared = prepare_link(table, payload, {0: addr}, "pull", sender=f"D->{i}", timeout_s=30.0)
-            ep = Endpoint(f"D->{i}", table.registration(), prepared.planner.local_tables, listen=None)
-            ep.connect(
-                0, addr, lambda pl, pr=prepared: pr.planner.remote_tables(0), timeout_s=30.0, reply=prepared.replies[0]
-            )
+            ep = Endpoint(f"D->{i}", table.registration(), prepared.local_tables, listen=None)
+            ep.connect(0, addr, lambda pl, pr=prepared: pr.remote_tables(0), timeout_s=30.0, reply=prepared.replies[0])
             eps.append(ep)
             rows.append((time.perf_counter() - t0, _rss_mib() - rss0))
         results["per-peer"] = rows

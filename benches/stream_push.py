@@ -140,9 +140,9 @@ def run_model(name: str, tokens_list: list[int], rates: list[float], repeats: in
             for tokens in tokens_list:
                 local, remote = request_ids(preset, tokens, 0), request_ids(preset, tokens, per_req + 1)
                 whole = link.transfers(local, remote)
-                nbytes = sum(prepared.planner.transfer_bytes(t) for t in whole)
+                nbytes = sum(prepared.transfer_bytes(t) for t in whole)
                 staged = {g: link.staged_transfers(local, remote, s) for g, s in schedules.items()}
-                last = {g: sum(prepared.planner.transfer_bytes(t) for t in st[-1]) / nbytes for g, st in staged.items()}
+                last = {g: sum(prepared.transfer_bytes(t) for t in st[-1]) / nbytes for g, st in staged.items()}
                 layer_s = tokens / rate / len(layers)
                 tails: dict[str, list[float]] = {m: [] for m in MODES}
                 for rep in range(repeats + 1):  # the first round warms up (UCX lanes, page tables)

@@ -1,15 +1,17 @@
 """Byte and descriptor counts come from the Rust core: ``RankTransfer.bytes`` / ``num_descriptors``,
-``PeerPlan.table_descriptors`` / ``remote_table_descriptors`` / ``local_bytes`` and ``RankPlanner`` on top of
-them, checked against the byte moves the plan resolves to and against the tables expanded row by row."""
+``PeerPlan.table_descriptors`` / ``remote_table_descriptors`` / ``local_bytes`` and ``PreparedLink`` (a link's
+plan) on top of them, checked against the byte moves the plan resolves to and against the tables expanded row by row."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 
 import hybrid_kv
 from hybrid_kv import HandshakeError, PeerPlan, PlanError
-from hybrid_kv.planner import RankPlanner
+from hybrid_kv.peer_link import PreparedLink
 from hybrid_kv.presets import get_preset
 
 KIMI = get_preset("tiny-kimi-linear")
@@ -74,25 +76,32 @@ def test_local_bytes_names_the_id_and_the_table_size() -> None:
     assert peer.local_bytes("whole", np.array([3, 3, 3], dtype=np.int32)[::2]) == 2 * one  # strided view
 
 
-def test_rank_planner_counts_come_from_the_plan() -> None:
+def link_plan(decode: Any, payloads: dict[int, bytes], mine: bytes) -> PreparedLink:
+    """A prepared link (not connected) planned from ``payloads`` as ``prepare_link`` plans from fetched replies."""
+    plan = PeerPlan(decode, [payloads[r] for r in sorted(payloads)], "pull", own_payload=mine)
+    return PreparedLink("prefill", sorted(payloads), {r: f"tcp://127.0.0.1:{9 + r}" for r in payloads}, {}, plan)
+
+
+def test_a_link_plans_and_counts_from_its_peer_plan() -> None:
     decode, mine = payload(1, 0, 64, "decode")
     payloads = {r: payload(2, r, 128, "prefill")[1] for r in (0, 1)}
-    planner = RankPlanner(decode, payloads, "pull", own_payload=mine)
-    shapes = planner.table_shapes()
-    assert list(shapes) == planner.plan_.table_keys
+    link = link_plan(decode, payloads, mine)
+    shapes = link.table_shapes()
+    assert list(shapes) == link.plan.table_keys
     for key, shape in shapes.items():
-        assert shape == {
-            "rows": planner.local_tables[key].shape[0],
-            "descriptors": planner.plan_.table_descriptors(key),
-        }
-    assert [planner.remote_descriptors(r) for r in (0, 1)] == [planner.plan_.remote_descs(r).shape[0] for r in (0, 1)]
+        assert shape == {"rows": link.local_tables[key].shape[0], "descriptors": link.plan.table_descriptors(key)}
+    assert [link.remote_descriptors(r) for r in (0, 1)] == [link.plan.remote_descs(r).shape[0] for r in (0, 1)]
     ids = request(KIMI.geometry(1).logical_block_size, 900), request(KIMI.geometry(2).logical_block_size, 900)
-    transfers = planner.plan(*ids)
-    expected = [t.bytes for t in planner.plan_.plan(*ids).transfers]
-    assert [planner.transfer_bytes(t) for t in transfers] == expected and all(expected)
+    transfers = link.transfers(*ids)
+    expected = [t.bytes for t in link.plan.plan(*ids).transfers]
+    assert [link.transfer_bytes(t) for t in transfers] == expected and all(expected)
+    # unattached, a link's peers are its target ranks; a key that is not one is refused
+    assert [link.rank_of(t.peer) for t in transfers] == [t.remote_rank for t in link.plan.plan(*ids).transfers]
+    with pytest.raises(ValueError, match="not a target rank"):
+        link.rank_of(2)
 
 
-def test_rank_planner_refuses_an_incompatible_peer_before_planning() -> None:
+def test_a_link_plan_refuses_an_incompatible_peer_before_planning() -> None:
     decode, mine = payload(1, 0, 64, "decode")
     good = payload(2, 0, 128, "prefill")[1]
     table = hybrid_kv.build_region_table(KIMI.rank_layout(tp=2, rank=1, num_blocks=128))
@@ -100,5 +109,5 @@ def test_rank_planner_refuses_an_incompatible_peer_before_planning() -> None:
     # The planner alone would accept it: a model mismatch is the handshake's to catch, not the geometry's.
     assert PeerPlan(decode, [good, bad], "pull").remote_ranks == [0, 1]
     with pytest.raises(HandshakeError, match="(?s)^peer rank 1: .*compat_hash") as info:
-        RankPlanner(decode, {0: good, 1: bad}, "pull", own_payload=mine)
+        link_plan(decode, {0: good, 1: bad}, mine)
     assert [f[0] for f in info.value.findings] == ["compat_hash"]

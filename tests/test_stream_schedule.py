@@ -8,7 +8,7 @@ import pytest
 
 import hybrid_kv
 from hybrid_kv import LayoutError, PeerPlan, PlanError, StreamSchedule
-from hybrid_kv.planner import RankPlanner
+from hybrid_kv.peer_link import PreparedLink
 from hybrid_kv.presets import get_preset
 
 
@@ -62,9 +62,9 @@ def test_stages_of_a_request_are_its_whole_plan() -> None:
         all_moves = np.concatenate(moves)
         whole_moves = np.concatenate([whole.moves(i) for i in range(len(whole))])
         assert sorted(map(tuple, all_moves.tolist())) == sorted(map(tuple, whole_moves.tolist()))
-    planner = RankPlanner(p, {0: d.handshake_payload(info)}, "push")
-    staged = planner.plan_staged(local, remote, StreamSchedule(p))
-    assert len(staged) == 7 and sum(len(s) for s in staged) >= len(planner.plan(local, remote))
+    link = PreparedLink("decode", [0], {0: "tcp://127.0.0.1:9"}, {}, PeerPlan(p, [d.handshake_payload(info)], "push"))
+    staged = link.staged_transfers(local, remote, StreamSchedule(p))
+    assert len(staged) == 7 and sum(len(s) for s in staged) >= len(link.transfers(local, remote))
 
 
 def test_schedule_and_staged_plan_errors() -> None:

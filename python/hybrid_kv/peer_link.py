@@ -20,14 +20,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._core import RegionTable, StreamSchedule, handshake_target_ranks
+from ._core import PeerPlan, RegionTable, StreamSchedule, handshake_target_ranks
 from .errors import HandshakeError
-from .planner import RankPlanner
 from .transport.requests import PeerKey, Transfer
 
 if TYPE_CHECKING:
@@ -129,13 +128,80 @@ def fetch_replies(
 
 @dataclass
 class PreparedLink:
-    """A link's plan, built from the replies fetched once (``prepare_link``); not yet connected."""
+    """A link's plan against the peer engine, built from the replies fetched once (``prepare_link``) and not yet
+    connected: the ``PeerPlan`` (built once), the local tables to prep and, per request, the transfers to post
+    (peers keyed by rank until the link is attached). Every count comes from the Rust core; nothing here looks
+    inside a table.
+
+    Attributes:
+        engine_id: the peer engine.
+        targets: the peer ranks this rank talks to.
+        addresses: each target rank's side-channel address.
+        replies: each target rank's reply, as fetched (validated and planned from).
+        plan: the ``PeerPlan``.
+        local_tables: every local table as strided ``(rows, 5)`` rows, keyed as transfers name them.
+    """
 
     engine_id: str
     targets: list[int]
     addresses: dict[int, str]
     replies: dict[int, MetaReply]
-    planner: RankPlanner
+    plan: PeerPlan
+    local_tables: dict[str, U64] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.local_tables:
+            self.local_tables = {key: self.plan.local_rows(key) for key in self.plan.table_keys}
+
+    def key(self, rank: int) -> PeerKey:
+        """The peer key of target ``rank`` (the rank itself until the link is attached)."""
+        return rank
+
+    def rank_of(self, key: PeerKey) -> int:
+        """The target rank of one of this link's peer keys.
+
+        Raises:
+            ValueError: ``key`` is not one of this link's keys.
+        """
+        if not (isinstance(key, int) and key in self.addresses):
+            raise ValueError(f"peer key {key!r} is not a target rank of the link to {self.engine_id!r}")
+        return key
+
+    def peer_keys(self) -> list[PeerKey]:
+        return [self.key(r) for r in self.targets]
+
+    def transfers(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> list[Transfer]:
+        """One request's transfers, addressed to this link's peers (empty when nothing moves)."""
+        return self._addressed(self.plan.plan(local_ids, remote_ids).transfers)
+
+    def staged_transfers(
+        self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], schedule: StreamSchedule
+    ) -> list[list[Transfer]]:
+        """One request's transfers cut into ``schedule``'s stages (``PeerPlan.plan_staged``; one list per stage,
+        possibly empty), addressed to this link's peers: together exactly ``transfers``'s id pairs."""
+        return [self._addressed(p.transfers) for p in self.plan.plan_staged(local_ids, remote_ids, schedule)]
+
+    def _addressed(self, planned: Sequence[Any]) -> list[Transfer]:
+        return [Transfer(self.key(t.remote_rank), t.local_table, "remote", t.local_ids, t.remote_ids) for t in planned]
+
+    def remote_tables(self, rank: int) -> dict[str, U64]:
+        """The tables to prep against peer ``rank`` (keyed as transfers name them)."""
+        return {"remote": self.plan.remote_rows(rank)}
+
+    def transfer_bytes(self, t: Transfer) -> int:
+        """Bytes a transfer moves (its local descriptors' lengths, summed in Rust)."""
+        return int(self.plan.local_bytes(t.local_key, t.local_ids))
+
+    def table_shapes(self) -> dict[str, dict[str, int]]:
+        """Every local table: strided rows as prepped and descriptors once expanded."""
+        return {
+            k: {"rows": int(v.shape[0]), "descriptors": self.plan.table_descriptors(k)}
+            for k, v in self.local_tables.items()
+        }
+
+    def remote_descriptors(self, rank: int) -> int:
+        """Descriptors (expanded) of peer ``rank``'s table."""
+        return int(self.plan.remote_table_descriptors(rank))
 
 
 def prepare_link(
@@ -167,49 +233,32 @@ def prepare_link(
     replies = fetch_replies(
         addresses, sender, timeout_s, deadline=deadline, secret=secret, names=names, insecure=insecure
     )
-    planner = RankPlanner(
+    plan = PeerPlan(
         table,
-        {r: reply.payload for r, reply in replies.items()},
+        [replies[r].payload for r in sorted(replies)],
         mode,
         coalesce=coalesce,
         own_payload=own_payload,
         expected_engine_id=engine_id or None,
         expected_tp_size=expected_tp_size,
     )
-    return PreparedLink(engine_id, sorted(addresses), dict(addresses), replies, planner)
+    return PreparedLink(engine_id, sorted(addresses), dict(addresses), replies, plan)
 
 
 @dataclass
-class PeerLink:
-    """A connected link: the peer engine's ranks as peers of a shared endpoint, posting from the link's scope.
+class PeerLink(PreparedLink):
+    """A connected link: the peer engine's ranks as peers of a shared endpoint, posting from the link's scope,
+    peers keyed ``(scope, rank)``.
 
     Attributes:
-        engine_id: the peer engine.
-        scope: the endpoint's local table scope holding this link's tables (its peer keys are ``(scope, rank)``).
-        targets: the peer ranks connected, each under ``key(rank)``.
-        addresses: each target rank's side-channel address.
-        planner: the ``RankPlanner`` (``planner.plan_`` is the ``PeerPlan``).
+        scope: the endpoint's local table scope holding this link's tables.
         ep: the shared endpoint.
     """
 
-    engine_id: str
-    scope: str
-    targets: list[int]
-    addresses: dict[int, str]
-    planner: RankPlanner
-    ep: Endpoint
-    connect_s: float = 0.0
-    _closed: bool = field(default=False, repr=False)
-
-    @property
-    def plan(self) -> Any:
-        """The ``PeerPlan`` against the peer engine."""
-        return self.planner.plan_
-
-    @property
-    def rows(self) -> dict[str, U64]:
-        """The local tables (strided rows) prepped in this link's scope, by key."""
-        return self.planner.local_tables
+    scope: str = field(kw_only=True)
+    ep: Endpoint = field(kw_only=True, repr=False)
+    connect_s: float = field(default=0.0, kw_only=True)
+    _closed: bool = field(default=False, kw_only=True, repr=False)
 
     def key(self, rank: int) -> tuple[str, int]:
         """The endpoint's peer key of target ``rank``: ``(scope, rank)``."""
@@ -225,25 +274,10 @@ class PeerLink:
             raise ValueError(f"peer key {key!r} is not one of link {self.scope!r}'s")
         return key[1]
 
-    def peer_keys(self) -> list[tuple[str, int]]:
-        return [self.key(r) for r in self.targets]
-
-    def _addressed(self, t: Transfer) -> Transfer:
-        """A planned transfer (its peer the remote rank, as the planner emits it) addressed to this link's peer."""
-        return t._replace(peer=self.key(cast(int, t.peer)))
-
-    def transfers(self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]]) -> list[Transfer]:
-        """One request's transfers, addressed to this link's peers (empty when nothing moves)."""
-        return [self._addressed(t) for t in self.planner.plan(local_ids, remote_ids)]
-
-    def staged_transfers(
-        self, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], schedule: StreamSchedule
-    ) -> list[list[Transfer]]:
-        """One request's transfers cut into ``schedule``'s stages (one list per stage, possibly empty), addressed
-        to this link's peers: together exactly ``transfers``."""
-        return [
-            [self._addressed(t) for t in stage] for stage in self.planner.plan_staged(local_ids, remote_ids, schedule)
-        ]
+    @property
+    def rows(self) -> dict[str, U64]:
+        """The local tables (strided rows) prepped in this link's scope, by key."""
+        return self.local_tables
 
     def close(self) -> None:
         """Disconnect the link's peers and release its scope (idempotent); the endpoint stays open."""
@@ -255,11 +289,11 @@ class PeerLink:
         self.ep.remove_local_tables(self.scope)
 
 
-def _remote_tables(planner: RankPlanner, rank: int) -> Callable[[bytes], Mapping[str, U64]]:
-    """The ``tables`` callback of ``Endpoint.connect``: rank ``rank``'s remote table in ``planner``."""
+def _remote_tables(link: PreparedLink, rank: int) -> Callable[[bytes], Mapping[str, U64]]:
+    """The ``tables`` callback of ``Endpoint.connect``: rank ``rank``'s remote table in ``link``'s plan."""
 
     def tables(payload: bytes) -> Mapping[str, U64]:
-        return planner.remote_tables(rank)
+        return link.remote_tables(rank)
 
     return tables
 
@@ -271,16 +305,16 @@ def attach_link(ep: Endpoint, prepared: PreparedLink, scope: str, *, timeout_s: 
     Raises:
         HandshakeError: NIXL refused the peer's metadata or tables, or a reply was not the peer expected.
     """
-    planner = prepared.planner
     t0 = time.perf_counter()
-    ep.add_local_tables(scope, planner.local_tables)
-    link = PeerLink(prepared.engine_id, scope, prepared.targets, prepared.addresses, planner, ep)
+    ep.add_local_tables(scope, prepared.local_tables)
+    p = prepared
+    link = PeerLink(p.engine_id, p.targets, p.addresses, p.replies, p.plan, p.local_tables, scope=scope, ep=ep)
     try:
         for r in prepared.targets:
             ep.connect(
                 link.key(r),
                 prepared.addresses[r],
-                _remote_tables(planner, r),
+                _remote_tables(link, r),
                 rank=r,
                 timeout_s=timeout_s,
                 reply=prepared.replies[r],  # the bytes validated and planned from, not fetched again
@@ -311,7 +345,7 @@ def link_peer(
     insecure: bool = False,
 ) -> PeerLink:
     """Link one posting rank to one peer engine: fetch each target rank's payload once (``fetch_replies``),
-    validate it against ``own_payload`` and plan from it (``RankPlanner``), prep the plan's local tables as
+    validate it against ``own_payload`` and plan from it (``PeerPlan``), prep the plan's local tables as
     ``scope`` of ``ep`` and connect every target rank (``attach_link``). Call on ``ep``'s thread.
 
     Args:

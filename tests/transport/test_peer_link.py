@@ -169,7 +169,9 @@ def test_a_scope_in_use_is_not_removed_and_a_failed_link_leaves_nothing(
         lk = link_peer(
             d, decode.table, decode.payload, {0: prefills[0].ep.address}, "pull", scope="a", sender="D", timeout_s=5.0
         )
-        with pytest.raises(TransferError, match=r"scope 'a' is still used by peer\(s\) \('a', 0\); disconnect them first"):
+        with pytest.raises(
+            TransferError, match=r"scope 'a' is still used by peer\(s\) \('a', 0\); disconnect them first"
+        ):
             d.remove_local_tables("a")
         with pytest.raises(ValueError, match="local table scope 'a' already exists"):
             d.add_local_tables("a", lk.rows)

@@ -94,7 +94,6 @@ class _Worker:
         self.side = side_of(spec, spec.tp, spec.kernel_block_size, spec.num_blocks)
         self.other = side_of(spec, spec.remote_tp, other_side[0], other_side[1])
         self.ep: Any = None
-        self.planner: Any = None
         self.link: Any = None
         self.requests: list[Request] = []
         self.digest_s = 0.0  # this rank's time computing digests (decode: of what landed; prefill: in claim answers)
@@ -207,9 +206,8 @@ class _Worker:
         plan_setup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.link = attach_link(self.ep, prepared, "peer", timeout_s=10.0)
-        self.planner = self.link.planner
         connect_s = time.perf_counter() - t0
-        self.send("connected", targets, plan_setup_s, connect_s, self.planner.table_shapes())
+        self.send("connected", targets, plan_setup_s, connect_s, self.link.table_shapes())
 
     def _serve(self) -> None:
         spec = self.spec
@@ -254,7 +252,7 @@ class _Worker:
         plan_s = time.perf_counter() - t0
         self.send("planned", plan_s)
         descs = sum(int(t.local_ids.size) for p in plans for t in p)
-        nbytes = sum(self.planner.transfer_bytes(t) for p in plans for t in p)
+        nbytes = sum(self.link.transfer_bytes(t) for p in plans for t in p)
         targets = {
             r.rid: sorted({self.link.rank_of(t.peer) for t in p}) for r, p in zip(self.requests, plans, strict=True)
         }
@@ -280,10 +278,7 @@ class _Worker:
         posted = sum(h.stats.descriptors for h in handles)  # NIXL's telemetry: after it merged the ids
         xfers = sum(len(p) for p in plans)
         vbytes = sum(
-            self.planner.transfer_bytes(t)
-            for r, p in zip(self.requests, plans, strict=True)
-            if r.rid in checks
-            for t in p
+            self.link.transfer_bytes(t) for r, p in zip(self.requests, plans, strict=True) if r.rid in checks for t in p
         )
         self.send("transferred", plan_s, transfer_s, descs, posted, nbytes, len(plans), xfers, total_s, vbytes)
 
@@ -343,7 +338,7 @@ class _Worker:
         out: dict[str, tuple[dict[Any, int] | None, Any]] = {}
         if self.spec.mode == "push":
             t0 = time.perf_counter()
-            plan, rank_of = self.planner.plan_, self.link.rank_of
+            plan, rank_of = self.link.plan, self.link.rank_of
             for r, p in moving:
                 if r.rid in chosen:
                     mine = initiator_digests(self.digester, plan, p, rank_of, "xxh3")
@@ -386,7 +381,7 @@ class _Worker:
         def timed(reason: str | None) -> None:
             self.digest_s += time.perf_counter() - started[0]
 
-        plan, rank_of = self.planner.plan_, self.link.rank_of
+        plan, rank_of = self.link.plan, self.link.rank_of
         return pull_check(
             self.digester,
             plan,

@@ -146,7 +146,7 @@ class Rank:
         plan_s = time.perf_counter() - t0
         self.peer_payloads = {r: reply.payload for r, reply in prepared.replies.items()}
         self.link = attach_link(self.ep, prepared, "peer", timeout_s=30.0)
-        return {"plan_setup_s": plan_s, "connect_s": self.link.connect_s, "tables": self.link.planner.table_shapes()}
+        return {"plan_setup_s": plan_s, "connect_s": self.link.connect_s, "tables": self.link.table_shapes()}
 
     def take_requests(self, requests: list[Any]) -> None:
         """The batch: every request with both sides' logical block ids per group."""
@@ -161,7 +161,7 @@ class Rank:
     def plan(self, names: list[str]) -> dict[str, Any]:
         """Plan each request (Rust planner); returns its bytes, ids, the peer ranks each request moves bytes
         with, and every byte move per peer rank (``(local, remote, len)`` rows, for the peers' byte checks)."""
-        planner, link = self.link.planner, self.link
+        link = self.link
         moves: dict[int, list[U64]] = {}
         targets: dict[str, list[int]] = {}
         nbytes = ids = 0
@@ -175,8 +175,8 @@ class Rank:
             targets[rid] = sorted({link.rank_of(t.peer) for t in ts})
             for t in ts:
                 peer = link.rank_of(t.peer)
-                moves.setdefault(peer, []).append(planner.plan_.resolve(t.local_key, peer, t.local_ids, t.remote_ids))
-                nbytes += planner.transfer_bytes(t)
+                moves.setdefault(peer, []).append(link.plan.resolve(t.local_key, peer, t.local_ids, t.remote_ids))
+                nbytes += link.transfer_bytes(t)
                 ids += int(t.local_ids.size)
         return {
             "plan_s": plan_s,
@@ -362,7 +362,7 @@ class Rank:
 
     def request_bytes(self, name: str) -> int:
         """Bytes request ``name``'s planned transfers move (posting rank)."""
-        return sum(self.link.planner.transfer_bytes(t) for t in self.transfers[name])
+        return sum(self.link.transfer_bytes(t) for t in self.transfers[name])
 
     def flip(self, address: int) -> None:
         """Fault injection (tests): flip one bit of the pool byte at ``address``."""

@@ -104,10 +104,9 @@ class Forward:
         link, r = self.p.link, self.req
         self.whole = link.transfers(r.prefill_ids, r.decode_ids)
         self.staged = link.staged_transfers(r.prefill_ids, r.decode_ids, self.schedule)
-        planner = link.planner
-        nbytes = sum(planner.transfer_bytes(t) for t in self.whole)
-        last = sum(planner.transfer_bytes(t) for t in self.staged[-1]) / nbytes if nbytes else 0.0
-        moves = np.concatenate([planner.plan_.resolve(t.local_key, 0, t.local_ids, t.remote_ids) for t in self.whole])
+        nbytes = sum(link.transfer_bytes(t) for t in self.whole)
+        last = sum(link.transfer_bytes(t) for t in self.staged[-1]) / nbytes if nbytes else 0.0
+        moves = np.concatenate([link.plan.resolve(t.local_key, 0, t.local_ids, t.remote_ids) for t in self.whole])
         self.layers, self.writes, page_moves = self._layer_writes()
         self.compute = self._compute()
         self.hooks = ForwardHooks(self.schedule, "kit")
