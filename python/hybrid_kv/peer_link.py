@@ -40,6 +40,7 @@ __all__ = [
     "fetch_replies",
     "link_peer",
     "prepare_link",
+    "rank_address",
     "target_addresses",
 ]
 
@@ -385,7 +386,13 @@ def link_peer(
     return attach_link(ep, prepared, scope, timeout_s=timeout_s)
 
 
+def rank_address(host: str, base_port: int, rank: int) -> str:
+    """The side-channel address of TP rank ``rank`` of an engine whose rank 0 listens on ``host:base_port``: each
+    rank listens on ``base_port + rank``."""
+    return f"tcp://{host}:{base_port + rank}"
+
+
 def target_addresses(host: str, base_port: int, local_rank: int, local_tp: int, remote_tp: int) -> dict[int, str]:
-    """Side-channel addresses of the peer ranks ``local_rank`` handshakes with (rank ``r`` at ``base_port + r``)."""
+    """Side-channel addresses of the peer ranks ``local_rank`` handshakes with (``rank_address`` of each)."""
     targets = handshake_target_ranks(local_rank, local_tp, remote_tp)
-    return {int(r): f"tcp://{host}:{base_port + int(r)}" for r in targets}
+    return {int(r): rank_address(host, base_port, int(r)) for r in targets}

@@ -73,6 +73,7 @@ __all__ = [
     "decode",
     "encode",
     "rank_of",
+    "worker_name",
 ]
 
 log = logging.getLogger("hybrid_kv.connector_core.control")
@@ -152,8 +153,15 @@ def decode(payload: bytes) -> Control:
     return decode_wire(_decoder, payload, LIMITS, ControlError, "not a hybrid-kv control message")
 
 
+def worker_name(engine_id: str, tp_rank: int) -> str:
+    """The endpoint (NIXL agent) name of worker ``tp_rank`` of engine ``engine_id``, ``<engine>-tp<rank>``:
+    side-channel requests name the endpoint they are meant for, and every other endpoint refuses them
+    (``rank_of`` reads it back)."""
+    return f"{engine_id}-tp{tp_rank}"
+
+
 def rank_of(sender: str, engine_id: str, tp_size: int) -> int | None:
-    """The TP rank whose worker of ``engine_id`` is named ``sender`` (``<engine>-tp<rank>``), else ``None``."""
+    """The TP rank whose worker of ``engine_id`` is named ``sender`` (``worker_name``), else ``None``."""
     prefix = f"{engine_id}-tp"
     tail = sender[len(prefix) :] if sender.startswith(prefix) else ""
     if not (tail.isascii() and tail.isdigit()) or len(tail) > 4 or (len(tail) > 1 and tail[0] == "0"):

@@ -24,10 +24,11 @@ from typing import Any
 
 from ..._core import handshake_target_ranks
 from ...claims import instance_of
+from ...connector_core.control import worker_name
 from ...link_pool import LinkPool
 from ...peer_link import PeerLink, PreparedLink, attach_link, prepare_link, target_addresses
 from ...verify import algorithm, payload_mem_type
-from .state import Registered, worker_name
+from .state import Registered
 
 __all__ = ["Links", "Parked"]
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..._core import handshake_target_ranks
 from ...claims import ClaimAnswers, ClaimBatcher, ClaimEntry, claim_messages
 from ...connector_core import control
+from ...connector_core.control import worker_name
 from ...connector_core.leases import LEASE_MARGIN_S, renewal_until
 from ...peer_link import PeerLink
 from ...transport import Transfer, TransferError
@@ -31,7 +32,7 @@ from ...transport.courier import Delivery
 from ...verify import pull_check
 from .links import Links, Parked
 from .metadata import RecvReq
-from .state import Job, Registered, worker_name
+from .state import Job, Registered
 
 __all__ = ["PullRecv"]
 

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 from ..._core import handshake_target_ranks
 from ...connector_core import control
+from ...connector_core.control import worker_name
 from ...connector_core.leases import LEASE_MARGIN_S
 from ...transport import TransferError
 from ...transport.courier import Delivery
 from ...verify import algorithm, payload_mem_type, push_check
 from .metadata import BlockIds, RecvReq
-from .state import Job, Registered, worker_name
+from .state import Job, Registered
 
 __all__ = ["PushRecv"]
 

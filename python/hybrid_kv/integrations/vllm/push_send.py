@@ -15,12 +15,13 @@ import logging
 import time
 
 from ...connector_core import control
+from ...connector_core.control import worker_name
 from ...connector_core.leases import LeaseBook, push_deadline
 from ...connector_core.params import host_allowed
 from ...transport import TransferError
 from ...verify import initiator_digests
 from .links import Links, Parked
-from .state import Job, Registered, worker_name
+from .state import Job, Registered
 
 __all__ = ["PushSend"]
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..._core import RegionTable
 from ...connector_core.config import ConnectorConfig
 from ...connector_core.control import Refusals
+from ...peer_link import rank_address
 from ...transport import Endpoint, RequestHandle, Transfer, TransferError
 from .layout import RankGeometry
 from .metadata import BlockIds
@@ -31,15 +32,9 @@ if TYPE_CHECKING:
     from ...peer_link import PeerLink
     from ...verify import Digester, MirrorCache
 
-__all__ = ["Completion", "Job", "JobOwner", "Registered", "worker_name"]
+__all__ = ["Completion", "Job", "JobOwner", "Registered"]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
-
-
-def worker_name(engine_id: str, tp_rank: int) -> str:
-    """The endpoint (NIXL agent) name of worker ``tp_rank`` of engine ``engine_id``: side-channel requests name
-    the endpoint they are meant for, and every other endpoint refuses them."""
-    return f"{engine_id}-tp{tp_rank}"
 
 
 class Completion:
@@ -136,7 +131,7 @@ class Registered:
 
     def address(self, host: str, port: int, rank: int) -> str:
         """Side-channel address of rank ``rank`` of an engine whose TP rank 0 listens on ``host:port``."""
-        return f"tcp://{host}:{port + rank}"
+        return rank_address(host, port, rank)
 
 
 class JobOwner(Protocol):

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..._core import StreamSchedule
 from ...connector_core import control
+from ...connector_core.control import worker_name
 from ...connector_core.leases import LeaseBook, push_deadline
 from ...connector_core.params import host_allowed
 from ...streaming import ForwardHooks, Stream, StreamPoster
@@ -25,7 +26,7 @@ from ...transport import TransferError
 from .links import Links
 from .metadata import HybridKvMetadata, SendLease
 from .metadata import StreamSend as StreamSendReq
-from .state import Job, Registered, worker_name
+from .state import Job, Registered
 
 __all__ = ["StreamSend"]
 

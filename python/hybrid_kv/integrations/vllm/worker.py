@@ -32,6 +32,7 @@ from ..._core import StreamSchedule, compat_hash
 from ...claims import instance_of
 from ...connector_core import control
 from ...connector_core.config import ConnectorConfig
+from ...connector_core.control import worker_name
 from ...connector_core.leases import LeaseBook
 from ...connector_core.params import parse_networks
 from ...connector_core.tickets import TicketKey
@@ -47,11 +48,11 @@ from .pull import PullRecv
 from .push_recv import PushRecv
 from .push_send import PushSend
 from .responder import Responder
-from .state import Completion, Job, Registered, worker_name
+from .state import Completion, Job, Registered
 from .stats import HybridKvStats
 from .stream_send import StreamSend
 
-__all__ = ["WorkerHalf", "worker_name"]
+__all__ = ["WorkerHalf"]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 
