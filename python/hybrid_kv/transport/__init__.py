@@ -6,6 +6,9 @@ arrays the planner produces.
 
 ``Endpoint`` (NIXL and zmq, the ``nixl`` extra) is imported on first use, so the planner's inputs
 (``Transfer``, tables) import without the extra.
+
+The API is the names in ``__all__``; the submodules (side channel, courier, agent, in-flight bookkeeping...) are
+this package's internals, imported by hybrid-kv's own packages and tests, and may change without notice.
 """
 
 from typing import TYPE_CHECKING, Any
