@@ -199,8 +199,9 @@ def test_prefill_killed_mid_transfer_fails_only_its_request(decode: DecodeRank) 
         ev = pump(d.ep, lambda e: e.done or e.failed, deadline)
         assert ev.done == [reqs[3].rid] and not ev.failed and h.state is RequestState.POSTED, ev
         a.kill()  # dies while its READ is in flight
-        ev = pump(d.ep, lambda e: e.failed, deadline + 1.0)
-        assert time.monotonic() - t0 < deadline + 0.5
+        ev = pump(d.ep, lambda e: e.failed, deadline + 5.0)
+        assert time.monotonic() - t0 < deadline + 5.0  # failed by its death or its deadline, not hung (a loaded
+        # machine stalls a process for seconds)
         (err,) = ev.failed
         assert err.request_id == reqs[2].rid and reqs[2].rid in str(err)
         planned = d.transfers("A", reqs[2])

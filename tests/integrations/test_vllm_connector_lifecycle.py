@@ -30,7 +30,9 @@ from vllm_harness import Engine, prompt, run_until, side_channel_ports
 os.environ.setdefault("HYBRID_KV_SECRET", "hybrid-kv-vllm-connector-tests-secret")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-STEP_BOUND_S = 1.0  # a decode step (scheduler + every worker's hooks) while a handshake is stuck
+STEP_BOUND_S = 5.0
+"""The longest decode step (scheduler + every worker's hooks) while a handshake is stuck: a step that waited for
+the stuck peer would last the handshake timeout (10 s); a loaded machine has stalled a step for 2.5 s."""
 
 
 class Outputs:

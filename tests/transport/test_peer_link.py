@@ -207,7 +207,7 @@ def test_a_silent_peer_is_retried_within_the_deadline() -> None:
             resume.start()
             replies = fetch_replies({0: peer.address}, "D", 0.6, deadline=time.monotonic() + 6.0)
             assert len(replies[0].payload) == want and replies[0].name == "PS"
-            assert 0.6 <= time.monotonic() - t0 < 4.0
+            assert 0.6 <= time.monotonic() - t0 < 6.5  # a second attempt (the first timed out), within the deadline
             peer.signal(signal.SIGSTOP)
             with pytest.raises(HandshakeError, match="attempt 1"):  # a deadline with no room for a second attempt
                 fetch_replies({0: peer.address}, "D", 0.6, deadline=time.monotonic() + 0.9)

@@ -82,11 +82,12 @@ def test_an_unfinished_reply_from_a_server_without_the_secret_is_not_buffered_by
         growth = peak_rss_growth()
         t0 = time.monotonic()
         with pytest.raises(ChannelError) as refused:
-            fetch_reply(ctx, hostile.address, 0, "D", 5.0)
+            fetch_reply(ctx, hostile.address, 0, "D", 20.0)
         took = time.monotonic() - t0
         assert growth() < BOUND, f"peak RSS rose by {growth() / 2**20:.0f} MiB"
         assert f"peer at {hostile.address} failed authentication" in str(refused.value)
-        assert took < 2.0, f"the client waited {took:.1f} s for a server that failed its handshake"
+        # at once: a client that waited would take its whole 20 s; a loaded machine stalls a process for seconds
+        assert took < 10.0, f"the client waited {took:.1f} s for a server that failed its handshake"
     finally:
         hostile.close()
     assert hostile.floods and all(f.refused for f in hostile.floods)
