@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from ._core import msgpack_prescan
-from .limits import MAX_GROUPS, MAX_TP_SIZE
+from .limits import MAX_GROUPS, MAX_REQUEST_ID_CHARS, MAX_TP_SIZE
 
 __all__ = [
     "GRANT_BYTES",
@@ -45,7 +45,7 @@ MAX_TICKET_CHARS = 12 * MAX_GROUPS * 1024 + 1024
 16-token blocks over 4 groups is about 22 KB)."""
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
 Grant = Annotated[bytes, msgspec.Meta(min_length=GRANT_BYTES, max_length=GRANT_BYTES)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 BlockIdLists = Annotated[

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..limits import MAX_REQUEST_ID_CHARS
+
 __all__ = [
     "MAX_NOTICE_BYTES",
     "MAX_NOTICE_COUNT",
@@ -35,7 +37,6 @@ _DGST = "hkv:dgst:"
 _FAIL = "hkv:fail:"
 MAX_NOTICE_COUNT = 4096
 """Most transfers one request may post to one peer (each carries one done-notice)."""
-MAX_REQUEST_ID_CHARS = 1024
 MAX_REASON_CHARS = 512
 """A fail-notice's reason is cut to this many characters."""
 MAX_NOTICE_BYTES = len(_FAIL) + 3 * MAX_REQUEST_ID_CHARS + 1 + 4 * MAX_REASON_CHARS
