@@ -275,11 +275,6 @@ class PeerLink(PreparedLink):
             raise ValueError(f"peer key {key!r} is not one of link {self.scope!r}'s")
         return key[1]
 
-    @property
-    def rows(self) -> dict[str, U64]:
-        """The local tables (strided rows) prepped in this link's scope, by key."""
-        return self.local_tables
-
     def close(self) -> None:
         """Disconnect the link's peers and release its scope (idempotent); the endpoint stays open."""
         if self._closed:
@@ -308,8 +303,8 @@ def attach_link(ep: Endpoint, prepared: PreparedLink, scope: str, *, timeout_s: 
     """
     t0 = time.perf_counter()
     ep.add_local_tables(scope, prepared.local_tables)
-    p = prepared
-    link = PeerLink(p.engine_id, p.targets, p.addresses, p.replies, p.plan, p.local_tables, scope=scope, ep=ep)
+    fields = (prepared.engine_id, prepared.targets, prepared.addresses, prepared.replies, prepared.plan)
+    link = PeerLink(*fields, prepared.local_tables, scope=scope, ep=ep)
     try:
         for r in prepared.targets:
             ep.connect(

@@ -113,9 +113,9 @@ def test_eight_engines_share_one_agent_and_one_registration(
             assert agents == ["D"] and len(registrations) == 1  # no agent and no registration per engine
         counts = d.handle_counts()
         # every link's plan holds the rank's one base table (one read-only array), prepped once for all
-        assert all(list(lk.rows) == ["whole"] for lk in links)
-        assert all(lk.rows["whole"] is links[0].rows["whole"] for lk in links)
-        assert not links[0].rows["whole"].flags.writeable
+        assert all(list(lk.local_tables) == ["whole"] for lk in links)
+        assert all(lk.local_tables["whole"] is links[0].local_tables["whole"] for lk in links)
+        assert not links[0].local_tables["whole"].flags.writeable
         assert counts == {
             "xfer": 0,
             "zombie_xfer": 0,
@@ -174,11 +174,11 @@ def test_a_scope_in_use_is_not_removed_and_a_failed_link_leaves_nothing(
         ):
             d.remove_local_tables("a")
         with pytest.raises(ValueError, match="local table scope 'a' already exists"):
-            d.add_local_tables("a", lk.rows)
+            d.add_local_tables("a", lk.local_tables)
         empty = d.handle_counts()
         lk.close()
         lk.close()  # idempotent
-        assert d.handle_counts()["local_dlists"] == empty["local_dlists"] - len(lk.rows)
+        assert d.handle_counts()["local_dlists"] == empty["local_dlists"] - len(lk.local_tables)
         # a link whose connect fails (the peer's NIXL agent is not the one it claims) releases its scope again
         prepared = prepare_link(
             decode.table, decode.payload, {0: prefills[1].ep.address}, "pull", sender="D", timeout_s=5.0

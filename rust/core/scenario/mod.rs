@@ -395,11 +395,15 @@ fn rank_layout(
         if tensor.layers.is_empty() {
             return Err(invalid(format!("tensor {t} has no layers")));
         }
+        let tensor_specs: Vec<LayerSpec> = tensor
+            .layers
+            .iter()
+            .map(|l| layer_spec(&specs, l))
+            .collect::<Result<_, _>>()?;
         let mut attn_page: Option<u64> = None;
         let mut state = 0u64;
-        for l in &tensor.layers {
-            let spec = layer_spec(&specs, l)?;
-            if let LayerSpec::Ssm(ssm) = &spec {
+        for (l, spec) in tensor.layers.iter().zip(&tensor_specs) {
+            if let LayerSpec::Ssm(ssm) = spec {
                 state = state.max(ssm.state_bytes(&l.name).map_err(layout_err)?);
             } else {
                 let page = spec
@@ -428,8 +432,7 @@ fn rank_layout(
             .unwrap_or(engine.num_blocks)
             .checked_mul(page)
             .ok_or_else(|| invalid(format!("tensor {t}: size overflows")))?;
-        for l in &tensor.layers {
-            let mut spec = layer_spec(&specs, l)?;
+        for (l, mut spec) in tensor.layers.iter().zip(tensor_specs) {
             if let LayerSpec::Ssm(ssm) = &mut spec {
                 ssm.page_size_padded = Some(page);
             }
