@@ -3,8 +3,9 @@
 Each round runs the demo (real rank processes, real NIXL over host memory) once with ``verify=off`` and once with
 ``verify=all`` (in alternating order), the same preset, TP sizes and batch; a run's transfer phase is the slowest
 posting rank's time from its claims to its last request done, with its digests (the lease claims happen in both:
-the connector claims every lease before its READs, and a verified request's digest rides on its claim). Reports
-medians over the rounds and their ratio, with the decode's and the prefill's digest times.
+the connector claims every lease before its READs; a verified request's prefill digests follow the claim's answer
+while the READs run). Reports medians over the rounds and their ratio, with the decode's and the prefill's digest
+times and how long the decode's checks waited for the prefill's digests.
 
     python benches/verify_overhead.py --rounds 5 [--presets tiny-kimi-linear,tiny-qwen3-next] [--tokens 1000,4000]
 """
@@ -30,6 +31,7 @@ def one(preset: str, tokens: int, requests: int, verify: str, start_method: str)
         "claim_s": res.claim_s,
         "digest_s": res.digest_s,
         "peer_digest_s": res.peer_digest_s,
+        "wait_s": res.digest_wait_s,
         "bytes": res.bytes_moved,
     }
 
@@ -44,8 +46,11 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     rows = []
-    print("| preset | tokens | MiB | transfer phase, off | verify=all | added | decode digests | prefill digests |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| preset | tokens | MiB | transfer phase, off | verify=all | added | decode digests | prefill digests | "
+        "decode waited for them |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for preset in args.presets.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             runs: dict[str, list[dict[str, float]]] = {"off": [], "all": []}
@@ -66,11 +71,13 @@ def main() -> int:
                 "added": on / off - 1,
                 "decode_digest_ms": med("all", "digest_s") * 1e3,
                 "prefill_digest_ms": med("all", "peer_digest_s") * 1e3,
+                "wait_ms": med("all", "wait_s") * 1e3,
             }
             rows.append(row)
             print(
                 f"| {preset} | {tokens} | {row['mib']:.1f} | {row['off_ms']:.1f} ms | {row['all_ms']:.1f} ms | "
-                f"{row['added']:+.0%} | {row['decode_digest_ms']:.1f} ms | {row['prefill_digest_ms']:.1f} ms |",
+                f"{row['added']:+.0%} | {row['decode_digest_ms']:.1f} ms | {row['prefill_digest_ms']:.1f} ms | "
+                f"{row['wait_ms']:.1f} ms |",
                 flush=True,
             )
     if args.json:

@@ -19,11 +19,23 @@ import numpy as np
 from _peers import Peer, pump
 
 from hybrid_kv import HandshakeError, PeerPlan, RegionTable, validate_handshake  # noqa: E402
-from hybrid_kv.claims import ClaimEntry, claim_digests, serve_claims  # noqa: E402
+from hybrid_kv.claims import (  # noqa: E402
+    Claim,
+    ClaimEntry,
+    ClaimRound,
+    DigestDue,
+    answer_claim,
+    answer_messages,
+    claim_digests,
+    decode_claim_message,
+    instance_of,
+    serve_claims,
+    take_digests,
+)
 from hybrid_kv.demo.content import Content, Request, Side, expect_decode, fill_prefill, random_bytes  # noqa: E402
 from hybrid_kv.demo.run import process_context  # noqa: E402
 from hybrid_kv.transport import Endpoint, Transfer  # noqa: E402
-from hybrid_kv.verify import Digester, MirrorCache, compare, initiator_digests  # noqa: E402
+from hybrid_kv.verify import Digester, MirrorCache, compare, initiator_digests, pull_check  # noqa: E402
 
 __all__ = ["DecodeRank", "KimiRank", "PrefillProcess", "RogueWriter", "ZERO", "pump"]
 
@@ -74,7 +86,8 @@ def prefill_main(
 
     Commands: ``"stop"``; ``("rewrite", rid)``: after digesting ``rid`` for an ask, re-write a byte of its
     first block before answering (a block reused between the digest and the READ), reported ``("rewrote",
-    rid)``."""
+    rid)``; ``("hold", rid)``: confirm a claim of ``rid`` at once but hold its digest (reported ``("holding",
+    rid)``), still serving its endpoint, until ``("release", rid)`` comes."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     rank = KimiRank("prefill", num_blocks, seed, preset)
     for r in requests:
@@ -82,6 +95,9 @@ def prefill_main(
     filled = rank.snapshot()
     by_rid = {r.rid: r for r in requests}
     rewrite: set[str] = set()
+    hold: set[str] = set()
+    released: set[str] = set()
+    held: dict[str, tuple[str, str, list[DigestDue]]] = {}  # rid -> (answer address, claimer, digests owed)
     rewrote = False
     digester, mirrors = Digester(rank.table, rank.tensors), MirrorCache(rank.payload)
     end = time.monotonic() + 60.0  # never outlive a broken test for long
@@ -99,6 +115,10 @@ def prefill_main(
                 break
             if isinstance(cmd, tuple) and cmd[0] == "rewrite":
                 rewrite.add(cmd[1])
+            if isinstance(cmd, tuple) and cmd[0] == "hold":
+                hold.add(cmd[1])
+            if isinstance(cmd, tuple) and cmd[0] == "release":
+                released.add(cmd[1])
             ev = ep.poll()
             for e in ev.remote_done:
                 out.put(("remote_done", e.sender, e.request_id))
@@ -116,10 +136,33 @@ def prefill_main(
                     rewrote = True
                     out.put(("rewrote", entry.req))
 
-            serve_claims(ep, ev.control, lookup, mirrors, digester, after_digest=after_digest)
+            controls = [c for c in ev.control if not _hold_claim(ep, c, hold, held, lookup, out)]
+            serve_claims(ep, controls, lookup, mirrors, digester, after_digest=after_digest)
+            for rid in released & set(held):  # the held digest answers go now
+                address, sender, due = held.pop(rid)
+                for msg in answer_messages(take_digests(due, mirrors, digester), instance_of(ep.metadata)):
+                    ep.courier.send(address, msg, sender, timeout_s=10.0, attempts=3)
             time.sleep(0.0005)
     unchanged = all(np.array_equal(a, b) for a, b in zip(rank.pools, filled, strict=True))
     out.put(("closed", ep.handle_counts(), unchanged or rewrote))
+
+
+def _hold_claim(ep: Any, c: Any, hold: set[str], held: dict[str, Any], lookup: Any, out: Any) -> bool:
+    """A claim of a held request: confirmed now, its digest kept in ``held``; whether ``c`` was one."""
+    try:
+        msg = decode_claim_message(c.payload)
+    except ValueError:
+        return False
+    if not isinstance(msg, Claim) or not {e.req for e in msg.entries} & hold:
+        return False
+    results, _, due = answer_claim(msg, lookup, True)
+    address = f"tcp://{msg.host}:{msg.port}"
+    for m in answer_messages(results, instance_of(ep.metadata)):
+        ep.courier.send(address, m, c.sender, timeout_s=10.0, attempts=3)
+    for d in due:
+        held[d.entry.req] = (address, c.sender, [d])
+        out.put(("holding", d.entry.req))
+    return True
 
 
 class PrefillProcess(Peer):
@@ -220,6 +263,36 @@ class DecodeRank:
             return compare(mine, theirs, 0, 0)
 
         return self.ep.post(req.rid, transfers, "READ", deadline_s, check=check)
+
+    def pull_overlapped(
+        self, peer: str, req: Request, deadline_s: float, *, before_check: Any = None
+    ) -> tuple[Any, ClaimRound, list[str]]:
+        """A verified READ as the connector and the demo run it: claim ``req`` from ``peer`` asking its digest,
+        post once confirmed (the digest follows), check with ``pull_check`` (waiting for the digest). Returns the
+        handle, the claim round (``feed`` it the polls' control messages) and the check's verdicts so far."""
+        entry = ClaimEntry(req.rid, b"", req.rid, req.decode_ids, True)
+        target = {0: (self.addresses[peer], self.ep.remote_agent(peer))}
+        claims = ClaimRound(self.ep, target, [entry], "decode", self.rank.payload, "xxh3", 5.0)
+        claims.wait()
+        transfers = self.transfers(peer, req)
+        inner = pull_check(
+            self.digester,
+            self.plans[peer],
+            transfers,
+            lambda p: 0,
+            "xxh3",
+            claims.theirs(req.rid),
+            0,
+            before=before_check,
+        )
+        verdicts: list[str] = []
+
+        def check() -> Any:
+            v = inner()
+            verdicts.append("not yet" if v is not None and not isinstance(v, str) else str(v))
+            return v
+
+        return self.ep.post(req.rid, transfers, "READ", deadline_s, check=check), claims, verdicts
 
     def transfers(self, peer: str, req: Request, plan: PeerPlan | None = None) -> list[Transfer]:
         """A request's READs from ``peer`` (planned with ``plan``, by default the peer's own)."""

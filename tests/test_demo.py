@@ -155,7 +155,9 @@ def test_the_readme_command_runs_to_a_verified_success(capsys: pytest.CaptureFix
     assert re.search(r" memcpy one contiguous memcpy of the same bytes: [\d.]+ GB/s", flat), out
     digests = (
         r" verify=all: 16 requests checked on the decode ranks, no mismatch .* 14\.3 MiB digested in [\d.]+ (ms|µs) "
-        r"by the slowest decode rank \([\d.]+ GB/s\) and [\d.]+ (ms|µs) by the slowest prefill rank"
+        r"by the slowest decode rank \([\d.]+ GB/s\) and in [\d.]+ (ms|µs) by the slowest prefill rank while the "
+        r"READs ran \(the decode's checks waited [\d.]+ (ms|µs) for them after the last request landed\), no round "
+        r"trip of its own; added [\d.]+ (ms|µs): \+\d+% to the transfer phase, \+\d+% to the transfer alone"
     )
     assert re.search(digests, flat), out
 

@@ -10,12 +10,14 @@ and their bytes are exact.
 Corruptions: a byte flipped in the decode's destination after the READ landed; the prefill re-writing a
 block between its digest and the READ (a stale or reused block); a third process (a NIXL agent holding the
 secret) writing into a destination block while the request is in flight; a wrong remote id (the READ reads
-another request's blocks).
+another request's blocks). Each is also caught when the prefill's digest follows its confirmation (as the
+connector and the demo run it): the READ lands first and its check waits for the digest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ pytest.importorskip("torch")
 
 from pd_helpers import ZERO, DecodeRank, PrefillProcess, RogueWriter, pump  # noqa: E402
 
+from hybrid_kv.claims import ClaimRound  # noqa: E402
 from hybrid_kv.demo.content import Request  # noqa: E402
 from hybrid_kv.demo.run import DemoConfig, make_requests  # noqa: E402
 from hybrid_kv.verify import mismatch_reason  # noqa: E402
@@ -142,3 +145,75 @@ def test_a_wrong_remote_id(pair: tuple[DecodeRank, PrefillProcess, list[Request]
     wrong[0][0] = reqs[3].prefill_ids[0][0]  # one block of another request
     err = run_three(d, a, reqs, prefill_ids=wrong)
     assert err.endswith(expected_reason(d, reqs[1], wrong)), err
+
+
+# ---------------------------------------------------------------------------------------------- the digest follows
+
+
+def pump_claims(d: DecodeRank, claims: ClaimRound, until: Callable[[Any], bool], timeout_s: float = 10.0) -> Any:
+    """``pump`` feeding each poll's control messages to ``claims`` (the prefill's digest answers)."""
+    fed = [0]
+
+    def fed_until(ev: Any) -> bool:
+        claims.feed(ev.control[fed[0] :])
+        fed[0] = len(ev.control)
+        return until(ev)
+
+    return pump(d.ep, fed_until, timeout_s)
+
+
+def test_the_read_runs_while_the_prefill_digest_is_on_its_way(
+    pair: tuple[DecodeRank, PrefillProcess, list[Request]],
+) -> None:
+    """The claim is confirmed before the prefill digests (its digest answer is held here): the READ lands and
+    the check answers NOT_YET, poll after poll, until the digest comes; then the request completes byte-exact."""
+    d, a, reqs = pair
+    before = d.rank.snapshot()
+    a.cmds.put(("hold", reqs[0].rid))
+    handle, claims, verdicts = d.pull_overlapped("A", reqs[0], 20.0)
+    assert a.expect("holding", 10.0)[1] == reqs[0].rid
+    assert claims.digests[reqs[0].rid] == {}  # confirmed, digest still owed
+    pump_claims(d, claims, lambda e: verdicts.count("not yet") >= 3)  # the bytes landed; the check waits
+    assert handle.checking and not handle.finished
+    a.cmds.put(("release", reqs[0].rid))
+    ev = pump_claims(d, claims, lambda e: e.done or e.failed)
+    assert ev.done == [reqs[0].rid] and not ev.failed, ev
+    assert verdicts[-1] == "None" and set(verdicts[:-1]) == {"not yet"}
+    prefill = DemoConfig(prefill_tp=1, decode_tp=1, requests=4, tokens=100).validate()[0]
+    want = d.expected(before, [(reqs[0], 11)], prefill)
+    for got, w in zip(d.rank.pools, want, strict=True):
+        assert np.array_equal(got, w)
+
+
+def test_a_flipped_byte_is_caught_when_the_digest_comes_after_the_read(
+    pair: tuple[DecodeRank, PrefillProcess, list[Request]],
+) -> None:
+    d, a, reqs = pair
+    page = d.rank.side.geometry.page_bytes
+    block = reqs[1].decode_ids[0][0]
+
+    def flip() -> None:
+        d.rank.pools[2][block * page + 5] ^= 0x40
+
+    a.cmds.put(("hold", reqs[1].rid))
+    _, claims, verdicts = d.pull_overlapped("A", reqs[1], 20.0, before_check=flip)
+    pump_claims(d, claims, lambda e: "not yet" in verdicts)
+    a.cmds.put(("release", reqs[1].rid))
+    ev = pump_claims(d, claims, lambda e: e.done or e.failed)
+    (err,) = ev.failed
+    assert str(err).endswith(expected_reason(d, reqs[1])), err
+    msg = a.expect("remote_failed", 5.0)
+    assert msg[2] == reqs[1].rid and "digest mismatch" in msg[3]
+
+
+def test_a_digest_that_never_comes_fails_the_request_at_its_deadline(
+    pair: tuple[DecodeRank, PrefillProcess, list[Request]],
+) -> None:
+    d, a, reqs = pair
+    a.cmds.put(("hold", reqs[2].rid))
+    _, claims, verdicts = d.pull_overlapped("A", reqs[2], 1.5)
+    ev = pump_claims(d, claims, lambda e: e.done or e.failed)
+    (err,) = ev.failed
+    assert "deadline exceeded waiting for its check" in str(err), err
+    assert verdicts and set(verdicts) == {"not yet"}
+    a.cmds.put(("release", reqs[2].rid))

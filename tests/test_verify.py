@@ -284,6 +284,37 @@ def test_claim_messages_are_typed_and_bounded() -> None:
     assert mismatch_reason(1, 0, 4096, 3) == "digest mismatch: 4096 bytes in 3 moves of rank pair (1, 0)"
 
 
+def test_a_claim_is_confirmed_at_once_and_its_digest_follows() -> None:
+    """``answer_claim`` confirms every held entry now, says a digest follows only where one was asked and can be
+    taken, and owes exactly those digests (``take_digests``, after the answers went); it never takes a digest."""
+    from hybrid_kv.claims import Claim, ClaimEntry, ClaimResult, answer_claim
+
+    entries = [
+        ClaimEntry("r-1", b"", "d-1", [[1]], True),
+        ClaimEntry("r-2", b"", "d-2", [], False),
+        ClaimEntry("r-3", b"", "d-3", [[2]], True),
+        ClaimEntry("r-4", b"", "d-4", [[3]], True),
+    ]
+    claim = Claim(entries, "decode", "h", 1, b"payload")
+    held: dict[str, Any] = {"r-1": ([[7]], 5.0), "r-2": ([[8]], 6.0), "r-3": "no lease of 'r-3'"}
+
+    def lookup(entry: ClaimEntry) -> Any:
+        return held.get(entry.req)
+
+    results, early, due = answer_claim(claim, lookup, True)
+    assert results == [
+        ClaimResult("d-1", True, expires_at=5.0, follows=True),
+        ClaimResult("d-2", True, expires_at=6.0),
+        ClaimResult("d-3", False, "no lease of 'r-3'"),
+    ]
+    assert early == {"r-4"}  # not leased here yet: kept by the caller
+    assert [(d.entry.req, d.own_ids, d.expires_at) for d in due] == [("r-1", [[7]], 5.0)]
+    results, _, due = answer_claim(claim, lookup, False)
+    assert results[0] == ClaimResult("d-1", True, "this rank takes no digests", 5.0) and due == []
+    results, _, due = answer_claim(claim, lookup, True, only="r-2")
+    assert results == [ClaimResult("d-2", True, expires_at=6.0)] and due == []
+
+
 def test_the_xxh3_digest_is_segments_of_the_stream() -> None:
     """``RegionTable.digest`` against an independent XXH3-64 (the ``xxhash`` package): 256 KiB segments of the moves'
     concatenated bytes, then the stream's length and the segment digests, little-endian."""

@@ -7,9 +7,11 @@ rank it reads from, and posts the READ only once each answered ``ok``: the prefi
 holds the request's blocks under a lease carrying the claim's grant, for the claiming engine (the first to
 claim holds it; the connector's ``leases``), and says until when (``expires_at``).
 
-Verified transfers ride on the same round trip: an entry asking for a digest gets the prefill's digest of its
-side of the request's moves (rebuilt from the claim's payload and ids and its own lease's ids: ``verify``), so
-verification adds hashing, not a round trip.
+Verified transfers ride on the same round trip without lengthening it: an entry asking for a digest is answered
+``ok`` at once with ``follows`` set, and the prefill's digest of its side of the request's moves (rebuilt from the
+claim's payload and ids and its own lease's ids: ``verify``) follows in a second answer, taken after the first was
+sent, while the initiator's READ runs and the lease still holds the blocks (the initiator releases them only after
+its check). So verification adds hashing, never a round trip, and the prefill's hashing overlaps the READ.
 
 Claims and answers are batched: one ``Claim`` per prefill rank per step holds every request the decode rank
 starts in that step (``ClaimBatcher``), one ``ClaimAnswers`` per decode rank per step the answers. Each answer
@@ -22,8 +24,9 @@ Written once for the vLLM connector and the demo; no vLLM import.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -40,12 +43,15 @@ __all__ = [
     "ClaimBatcher",
     "ClaimEntry",
     "ClaimResult",
+    "ClaimRound",
+    "DigestDue",
     "decode_claim_message",
     "encode",
     "answer_claim",
     "claim_digests",
     "serve_claims",
     "instance_of",
+    "take_digests",
     "split_entries",
 ]
 
@@ -89,8 +95,9 @@ class Claim(msgspec.Struct, tag="claim", tag_field=TAG_FIELD, frozen=True, forbi
 
 
 class ClaimResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The holder's answer for one request: ``ok`` with the lease's end (wall clock), or ``error``; with a digest
-    when asked (``digest`` empty and ``error`` set when it could not be taken)."""
+    """The holder's answer for one request: ``ok`` with the lease's end (wall clock), or ``error``. A claim asking
+    for a digest gets two: ``ok`` with ``follows`` at once, then the digest (``digest`` empty and ``error`` set
+    when it could not be taken)."""
 
     d_req: RequestId
     ok: bool
@@ -99,6 +106,7 @@ class ClaimResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     digest: Hex64 = ""
     bytes: Count = 0
     moves: Count = 0
+    follows: bool = False
 
 
 class ClaimAnswers(msgspec.Struct, tag="claim_answers", tag_field=TAG_FIELD, frozen=True, forbid_unknown_fields=True):
@@ -189,24 +197,33 @@ class ClaimBatcher:
         return out
 
 
-def result_with_digest(
-    entry: ClaimEntry,
-    claim: Claim,
-    own_ids: Sequence[Sequence[int]],
-    expires_at: float,
-    mirrors: MirrorCache | None,
+class DigestDue(NamedTuple):
+    """A digest the holder owes: ``entry`` of ``claim`` was answered ``ok`` with ``follows``; ``own_ids`` are the
+    holder's own block ids of the request (never the claimer's word)."""
+
+    entry: ClaimEntry
+    claim: Claim
+    own_ids: Sequence[Sequence[int]]
+    expires_at: float
+
+
+def take_digests(
+    due: Sequence[DigestDue],
+    mirrors: MirrorCache,
     digester: Any,
-) -> ClaimResult:
-    """The holder's ``ok`` answer to ``entry``, with its digest when asked (``own_ids``: the holder's own ids of
-    the request, never the claimer's word); never raises (the inputs are untrusted)."""
-    if not entry.digest:
-        return ClaimResult(entry.d_req, True, expires_at=expires_at)
-    if mirrors is None or digester is None:
-        return ClaimResult(entry.d_req, True, "this rank takes no digests", expires_at=expires_at)
-    digest, nbytes, moves, error = peer_digest(
-        mirrors, digester, claim.payload, claim.coalesce, entry.ids, own_ids, claim.algo
-    )
-    return ClaimResult(entry.d_req, True, error, expires_at, digest, nbytes, moves)
+    after_digest: Callable[[ClaimEntry, Sequence[Sequence[int]]], None] | None = None,
+) -> list[ClaimResult]:
+    """The second answers of ``due``: each request's digest (or why none); never raises (the inputs are
+    untrusted). ``after_digest`` runs after each (tests: fault injection)."""
+    out = []
+    for d in due:
+        digest, nbytes, moves, error = peer_digest(
+            mirrors, digester, d.claim.payload, d.claim.coalesce, d.entry.ids, d.own_ids, d.claim.algo
+        )
+        out.append(ClaimResult(d.entry.d_req, True, error, d.expires_at, digest, nbytes, moves))
+        if after_digest is not None:
+            after_digest(d.entry, d.own_ids)
+    return out
 
 
 Lookup = Callable[[ClaimEntry], "tuple[Sequence[Sequence[int]], float] | str | None"]
@@ -217,17 +234,17 @@ reason when refused, ``None`` when it does not hold the request yet."""
 def answer_claim(
     claim: Claim,
     lookup: Lookup,
-    mirrors: MirrorCache | None,
-    digester: Any,
+    can_digest: bool,
     *,
     only: str | None = None,
-    after_digest: Callable[[ClaimEntry, Sequence[Sequence[int]]], None] | None = None,
-) -> tuple[list[ClaimResult], set[str]]:
-    """The holder's answers to ``claim``'s entries (``only``: that request's alone), and the requests it does not
-    hold yet (kept by the caller until it does). Never raises for any claim (digests of untrusted inputs fail
-    into their answer's ``error``). The one responder of the connector and the demo."""
+) -> tuple[list[ClaimResult], set[str], list[DigestDue]]:
+    """The holder's first answers to ``claim``'s entries (``only``: that request's alone), the requests it does not
+    hold yet (kept by the caller until it does), and the digests it owes (``take_digests``, once these answers
+    were sent; ``can_digest``: whether this rank takes digests at all). Never raises for any claim. The one
+    responder of the connector and the demo."""
     results: list[ClaimResult] = []
     early: set[str] = set()
+    due: list[DigestDue] = []
     for entry in claim.entries:
         if only is not None and entry.req != only:
             continue
@@ -238,10 +255,14 @@ def answer_claim(
             results.append(ClaimResult(entry.d_req, False, got))
         else:
             own_ids, expires_at = got
-            results.append(result_with_digest(entry, claim, own_ids, expires_at, mirrors, digester))
-            if entry.digest and after_digest is not None:
-                after_digest(entry, own_ids)
-    return results, early
+            if not entry.digest:
+                results.append(ClaimResult(entry.d_req, True, expires_at=expires_at))
+            elif not can_digest:
+                results.append(ClaimResult(entry.d_req, True, "this rank takes no digests", expires_at=expires_at))
+            else:
+                results.append(ClaimResult(entry.d_req, True, expires_at=expires_at, follows=True))
+                due.append(DigestDue(entry, claim, own_ids, expires_at))
+    return results, early, due
 
 
 def serve_claims(
@@ -254,10 +275,12 @@ def serve_claims(
     after_digest: Callable[[ClaimEntry, Sequence[Sequence[int]]], None] | None = None,
 ) -> int:
     """A holder without leases of its own (the demo's, a test's or a benchmark's prefill rank): answer the claims
-    among ``controls`` (an ``Endpoint.poll()``'s ``control``) through ``ep``'s courier; returns the entries answered.
-    Other messages are left alone."""
+    among ``controls`` (an ``Endpoint.poll()``'s ``control``) through ``ep``'s courier, every first answer before
+    any digest is taken; returns the entries answered. Other messages are left alone."""
     answered = 0
     instance = instance_of(ep.metadata)
+    owed: list[tuple[str, str, list[DigestDue]]] = []
+    can_digest = mirrors is not None and digester is not None
     for c in controls:
         try:
             msg = decode_claim_message(c.payload)
@@ -265,11 +288,100 @@ def serve_claims(
             continue
         if not isinstance(msg, Claim):
             continue
-        results, _ = answer_claim(msg, lookup, mirrors, digester, after_digest=after_digest)
+        results, _, due = answer_claim(msg, lookup, can_digest)
         answered += len(results)
+        address = f"tcp://{msg.host}:{msg.port}"
         for out in answer_messages(results, instance):
-            ep.courier.send(f"tcp://{msg.host}:{msg.port}", out, c.sender, timeout_s=10.0, attempts=3)
+            ep.courier.send(address, out, c.sender, timeout_s=10.0, attempts=3)
+        if due:
+            owed.append((address, c.sender, due))
+    for address, sender, due in owed:
+        assert mirrors is not None
+        for out in answer_messages(take_digests(due, mirrors, digester, after_digest), instance):
+            ep.courier.send(address, out, sender, timeout_s=10.0, attempts=3)
     return answered
+
+
+class ClaimRound:
+    """An initiator's claims of ``entries`` from each target rank (``rank -> (address, endpoint name)``), one message
+    per rank for all of them, answered to ``ep``'s side channel: first ``ok`` (``wait``), then, for an entry asking
+    for one, the rank's digest (``feed`` takes it from later polls; ``theirs`` hands it to ``pull_check``)."""
+
+    def __init__(
+        self,
+        ep: Any,
+        targets: dict[int, tuple[str, str]],
+        entries: Sequence[ClaimEntry],
+        engine: str,
+        payload: bytes,
+        algo: str,
+        timeout_s: float,
+        *,
+        coalesce: bool = True,
+    ) -> None:
+        self.ep = ep
+        self.timeout_s = timeout_s
+        self._names = {name: rank for rank, (_, name) in targets.items()}
+        host, port = ep.address.removeprefix("tcp://").rsplit(":", 1)
+        for out in claim_messages(entries, engine, host, int(port), payload, coalesce, algo):
+            for address, name in targets.values():
+                ep.courier.send(address, out, name, timeout_s=timeout_s, attempts=3)
+        self._unconfirmed = {(e.d_req, r) for e in entries for r in targets}
+        self._owed = {(e.d_req, r) for e in entries if e.digest for r in targets}
+        self.digests: dict[str, dict[int, tuple[int | None, str]]] = {e.d_req: {} for e in entries}
+
+    def feed(self, controls: Sequence[Any]) -> list[Any]:
+        """Take the answers among ``controls`` (from the ranks asked); returns the other messages.
+
+        Raises:
+            RuntimeError: a claim was refused.
+        """
+        rest = []
+        for c in controls:
+            msg: Claim | ClaimAnswers | None
+            try:
+                msg = decode_claim_message(c.payload)
+            except ClaimError:
+                msg = None
+            if not isinstance(msg, ClaimAnswers) or c.sender not in self._names:
+                rest.append(c)
+                continue
+            for res in msg.results:
+                key = (res.d_req, self._names[c.sender])
+                if key in self._unconfirmed:
+                    if not res.ok:
+                        raise RuntimeError(f"{c.sender} refused the claim of {res.d_req!r}: {res.error}")
+                    self._unconfirmed.discard(key)
+                if key in self._owed and res.ok and not res.follows:
+                    self._owed.discard(key)
+                    self.digests[res.d_req][key[1]] = (int(res.digest, 16) if res.digest else None, res.error)
+        return rest
+
+    def theirs(self, d_req: str) -> Callable[[int], tuple[int | None, str] | None]:
+        """Rank ``r``'s digest of request ``d_req`` for ``pull_check``: ``None`` while it is on its way."""
+        got = self.digests[d_req]
+        return lambda rank: got.get(rank)
+
+    def wait(self, *, digests: bool = False, on_control: Callable[[Any], None] | None = None) -> None:
+        """Poll ``ep`` until every rank confirmed every entry (``digests``: and sent every digest asked for);
+        other control messages go to ``on_control``.
+
+        Raises:
+            TimeoutError: an answer did not come within the round's timeout.
+            RuntimeError: a claim was refused or not delivered.
+        """
+        end = time.monotonic() + self.timeout_s
+        while self._unconfirmed or (digests and self._owed):
+            for c in self.feed(self.ep.poll().control):
+                if on_control is not None:
+                    on_control(c)
+            lost = [d for d in self.ep.courier.take() if not d.delivered]
+            if lost:
+                raise RuntimeError(f"a claim was not delivered: {lost[0].reason}")
+            if time.monotonic() > end:
+                left = sorted(self._unconfirmed or self._owed)
+                raise TimeoutError(f"no claim answer for {left[:4]} within {self.timeout_s:g} s")
+            time.sleep(0.0002)
 
 
 def claim_digests(
@@ -284,46 +396,14 @@ def claim_digests(
     coalesce: bool = True,
     on_control: Callable[[Any], None] | None = None,
 ) -> dict[str, dict[int, tuple[int | None, str]]]:
-    """An initiator's claims of ``entries`` from each target rank (``rank -> (address, endpoint name)``), one message
-    per rank for all of them, answered to ``ep``'s side channel; waits (polling ``ep``) for every answer. Returns,
-    per initiator request, each rank's ``(digest or None, error)``; other control messages go to ``on_control``.
+    """A ``ClaimRound`` waited out: every rank's confirmation and digest of every entry. Returns, per initiator
+    request, each rank's ``(digest or None, error)`` (none for an entry that asked for no digest); other control
+    messages go to ``on_control``.
 
     Raises:
         TimeoutError: an answer did not come within ``timeout_s``.
         RuntimeError: a claim was refused or not delivered.
     """
-    import time
-
-    host, port = ep.address.removeprefix("tcp://").rsplit(":", 1)
-    names = {name: rank for rank, (_, name) in targets.items()}
-    for out in claim_messages(entries, engine, host, int(port), payload, coalesce, algo):
-        for address, name in targets.values():
-            ep.courier.send(address, out, name, timeout_s=timeout_s, attempts=3)
-    want = {(e.d_req, r) for e in entries for r in targets}
-    got: dict[str, dict[int, tuple[int | None, str]]] = {e.d_req: {} for e in entries}
-    end = time.monotonic() + timeout_s
-    while want:
-        for c in ep.poll().control:
-            msg: Claim | ClaimAnswers | None
-            try:
-                msg = decode_claim_message(c.payload)
-            except ClaimError:
-                msg = None
-            if not isinstance(msg, ClaimAnswers) or c.sender not in names:
-                if on_control is not None:
-                    on_control(c)
-                continue
-            for res in msg.results:
-                key = (res.d_req, names[c.sender])
-                if key in want:
-                    if not res.ok:
-                        raise RuntimeError(f"{c.sender} refused the claim of {res.d_req!r}: {res.error}")
-                    want.discard(key)
-                    got[res.d_req][key[1]] = (int(res.digest, 16) if res.digest else None, res.error)
-        lost = [d for d in ep.courier.take() if not d.delivered]
-        if lost:
-            raise RuntimeError(f"a claim was not delivered: {lost[0].reason}")
-        if time.monotonic() > end:
-            raise TimeoutError(f"no claim answer for {sorted(want)[:4]} within {timeout_s:g} s")
-        time.sleep(0.0002)
-    return got
+    claims = ClaimRound(ep, targets, entries, engine, payload, algo, timeout_s, coalesce=coalesce)
+    claims.wait(digests=True, on_control=on_control)
+    return claims.digests

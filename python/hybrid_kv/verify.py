@@ -19,15 +19,17 @@ plan order). How moves are cut does not change a digest; their order does. Two a
 Both sides choose the algorithm from the two sides' memory types (``algorithm``). ``VerifyPolicy``
 (``verify_policy``, importable without the transport's extras) is the ``verify`` setting: ``off``, ``all``, or
 ``sampled:N`` (every Nth request). In pull the passive side's digest rides on the lease claim the initiator
-makes before its READ (``hybrid_kv.claims``: ``answer_claim`` takes it, ``pull_check`` compares it once the READ
-landed); in push it rides in the writers' done-notices. One protocol for the connector, the demo, the tests and
-the benchmarks.
+makes before its READ: the claim is answered ``ok`` at once and the digest follows in a second answer, taken while
+the READ runs and the lease still holds the blocks (``hybrid_kv.claims``); ``pull_check`` compares it once the READ
+landed (waiting for it when needed). In push it rides in the writers' done-notices. One protocol for the connector,
+the demo, the tests and the benchmarks.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, NamedTuple
 
@@ -36,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._core import MirrorPlan, PeerPlan, RegionTable, decode_meta
-from .transport.requests import PeerKey, Transfer
+from .transport.requests import NOT_YET, CheckVerdict, PeerKey, Transfer
 from .verify_policy import MAX_SAMPLE_EVERY, VerifyPolicy
 
 __all__ = [
@@ -280,8 +282,9 @@ MAX_PAYLOAD_BYTES = 512 << 10
 
 Algo = Annotated[str, msgspec.Meta(pattern="^(xxh3|wsum)$")]
 
-Theirs = Callable[[int], tuple[int | None, str]]
-"""The passive rank's digest for prefill rank ``r`` (``None``: none came) and why not."""
+Theirs = Callable[[int], "tuple[int | None, str] | None"]
+"""The passive rank's digest for prefill rank ``r`` and why none (``(None, why)``: none will come), or ``None``
+while it is still on its way."""
 
 
 def to_hex(digest: int) -> str:
@@ -299,19 +302,33 @@ def pull_check(
     decode_rank: int,
     *,
     before: Callable[[], None] | None = None,
+    on_digested: Callable[[float], None] | None = None,
     on_result: Callable[[str | None], None] | None = None,
-) -> Callable[[], str | None]:
+) -> Callable[[], str | None | CheckVerdict]:
     """The check a pull initiator hands ``Endpoint.post(check=)``: once its READ landed, its digest of each prefill
-    rank's moves against that rank's (``theirs``, from its claim answer); the first mismatch is the failure reason.
-    ``before`` runs first (fault injection in tests), ``on_result`` gets the outcome (counters)."""
+    rank's moves against that rank's (``theirs``: from its claim answers, which may come while the READ runs);
+    the first mismatch is the failure reason. This rank digests once, when the bytes landed, and answers
+    ``NOT_YET`` (asked again at the next poll) while a prefill rank's digest is still on its way.
+    ``before`` runs first (fault injection in tests), ``on_digested`` gets the seconds this rank spent digesting,
+    ``on_result`` the outcome (counters)."""
+    mine: dict[PeerKey, RankPairDigest] | None = None
 
-    def check() -> str | None:
-        if before is not None:
-            before()
+    def check() -> str | None | CheckVerdict:
+        nonlocal mine
+        if mine is None:
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            mine = initiator_digests(digester, plan, transfers, rank_of, algo)
+            if on_digested is not None:
+                on_digested(time.perf_counter() - t0)
+        answers = {peer: theirs(rank_of(peer)) for peer in mine}
+        if any(a is None for a in answers.values()):
+            return NOT_YET
         reason = None
-        for peer, d in initiator_digests(digester, plan, transfers, rank_of, algo).items():
+        for peer, d in mine.items():
             p_rank = rank_of(peer)
-            digest, error = theirs(p_rank)
+            digest, error = answers[peer]  # type: ignore[misc]
             reason = compare(d, digest, p_rank, decode_rank)
             if reason is not None:
                 reason += f" ({error})" if error else ""

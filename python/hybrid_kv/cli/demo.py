@@ -237,11 +237,11 @@ def _gbps(nbytes: int, secs: float) -> str:
 
 
 def _claim_line(result: Any) -> str:
-    """Pull: the claim round trip before the READs (every lease confirmed, the prefill's digests inside)."""
-    inside = f", {_ms(result.peer_digest_s)} of it the prefill's digests" if result.verify != "off" else ""
+    """Pull: the claim round trip before the READs (every lease confirmed; the prefill's digests follow)."""
+    after = "; the prefill's digests follow while the READs run" if result.verify != "off" else ""
     return (
         f"{_ms(result.claim_s)} in the slowest decode rank: one message per prefill rank confirming every request's "
-        f"blocks before the READ{inside}"
+        f"blocks before the READ{after}"
     )
 
 
@@ -269,19 +269,30 @@ def _digest_line(result: Any, mode: str) -> str:
     """What ``verify`` did: how many requests each decode rank checked, its time, throughput and share."""
     if result.verify == "off":
         return "verify=off: none (each request's bytes are not digested in flight)"
-    how = (
-        "each prefill rank digested before the READ, each decode rank after it"
-        if mode == "pull"
-        else "each prefill rank digested before its WRITEs, each decode rank once they landed"
-    )
-    cost = result.digest_s + result.peer_digest_s
-    share = f"; +{cost / result.transfer_s:.0%} of the transfer" if result.transfer_s > 0 else ""
+    if mode == "pull":
+        how = "each prefill rank digested while the READ ran, each decode rank once it landed"
+        cost = result.digest_s + result.digest_wait_s  # the prefill's digests cost only what the checks waited
+        prefill = (
+            f"in {_ms(result.peer_digest_s)} by the slowest prefill rank while the READs ran (the decode's checks "
+            f"waited {_ms(result.digest_wait_s)} for them after the last request landed)"
+        )
+    else:
+        how = "each prefill rank digested before its WRITEs, each decode rank once they landed"
+        cost = result.digest_s + result.peer_digest_s
+        prefill = f"in {_ms(result.peer_digest_s)} by the slowest prefill rank"
+    share = ""
+    if result.transfer_s > 0 and result.transfer_total_s > cost:
+        without = result.transfer_total_s - cost  # the transfer phase as verify=off would have it
+        share = (
+            f"; added {_ms(cost)}: +{cost / without:.0%} to the transfer phase, +{cost / result.transfer_s:.0%} to "
+            "the transfer alone (an upper bound: the decode digests a request while others are in flight)"
+        )
     mismatches = "no mismatch" if not result.digest_mismatches else f"{len(result.digest_mismatches)} mismatched"
     return (
         f"verify={result.verify}: {count(result.digested_requests, 'request')} checked on the decode ranks, "
         f"{mismatches} ({how}); {_size(result.verified_bytes)} digested in {_ms(result.digest_s)} by the slowest "
-        f"decode rank ({_gbps(result.verified_bytes, result.digest_s)}) and {_ms(result.peer_digest_s)} by the "
-        f"slowest prefill rank, no round trip of its own{share}"
+        f"decode rank ({_gbps(result.verified_bytes, result.digest_s)}) and {prefill}, no round trip of its "
+        f"own{share}"
     )
 
 

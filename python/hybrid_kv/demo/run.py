@@ -143,10 +143,14 @@ class DemoResult:
     digest_s: float = 0.0
     """Time the slowest decode rank spent digesting (what landed, or what it wrote into in push)."""
     peer_digest_s: float = 0.0
-    """Time the slowest prefill rank spent digesting (pull: inside its claim answers; push: before its WRITEs)."""
+    """Time the slowest prefill rank spent digesting (pull: after answering the claims, while the READs run; push:
+    before its WRITEs)."""
+    digest_wait_s: float = 0.0
+    """Pull: time the slowest decode rank's checks waited for prefill digests still on their way (what the prefill's
+    digests added to the transfer)."""
     claim_s: float = 0.0
     """Pull: the slowest decode rank's claim round trip before its READs (one message per prefill rank for the
-    batch, as the connector claims every lease; the prefill's digests of verified requests are taken inside it)."""
+    batch, as the connector claims every lease; the prefill's digests of verified requests follow it)."""
     verified_bytes: int = 0
     """Bytes of the requests verified end to end (what the checking ranks digested)."""
     digest_mismatches: list[str] = field(default_factory=list)
@@ -384,11 +388,13 @@ def run_demo(cfg: DemoConfig, events: Event | None = None) -> DemoResult:
         moved = ranks.collect("transferred", ranks.keys(active))
         if cfg.mode == "pull":  # the prefill ranks answered every claim: their digest time is known now
             ranks.send(ranks.keys("prefill"), "report")
-        for (role, rank), (count, secs, mismatches, ask_s) in sorted(ranks.collect("digests", ranks.keys()).items()):
+        digests = ranks.collect("digests", ranks.keys())
+        for (role, rank), (count, secs, mismatches, ask_s, wait_s) in sorted(digests.items()):
             if role == "decode":  # the checking side in both modes
                 result.digested_requests += count
                 result.digest_s = max(result.digest_s, secs)
                 result.claim_s = max(result.claim_s, ask_s)
+                result.digest_wait_s = max(result.digest_wait_s, wait_s)
                 result.digest_mismatches += [f"decode rank {rank}: {m}" for m in mismatches]
             else:
                 result.peer_digest_s = max(result.peer_digest_s, secs)

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..claims import ClaimEntry, claim_digests, serve_claims
+from ..claims import ClaimEntry, ClaimRound, serve_claims
+from ..transport.requests import NOT_YET
 from ..verify import VerifyPolicy, initiator_digests, pull_check, push_check
 from .content import Content, Request, Side, expect_decode, fill_prefill, random_bytes, region_mismatch
 
@@ -97,7 +98,10 @@ class _Worker:
         self.link: Any = None
         self.requests: list[Request] = []
         self.digest_s = 0.0  # this rank's time computing digests (decode: of what landed; prefill: in claim answers)
-        self.ask_s = 0.0  # pull, decode: the claim round trip before the READ (the prefill's digests inside it)
+        self.ask_s = 0.0  # pull, decode: the claim round trip before the READ (the prefill's digests follow later)
+        self.wait_s = 0.0  # pull, decode: time its checks went on deciding after its last request landed
+        self._landed_at = self._decided_at = 0.0  # pull, decode: the last request landed (digested) / decided
+        self.claims: ClaimRound | None = None  # pull, decode: this batch's claims (their digests come meanwhile)
         self.plans: list[Any] = []  # each request's transfers (active ranks), posted again for the NIXL floor
         self.digested = 0  # requests this rank verified (active ranks) or answered digests for (passive)
         self.mismatches: list[str] = []  # this rank's requests failed by a digest mismatch (only they may fail)
@@ -229,7 +233,7 @@ class _Worker:
             self._await_pushes(senders, payloads)
         else:  # pull: answer the decode ranks' claims until their reads ended (``wait`` answers meanwhile)
             self.wait("report")
-        self.send("digests", self.digested, self.digest_s, self.mismatches, self.ask_s)
+        self.send("digests", self.digested, self.digest_s, self.mismatches, self.ask_s, self.wait_s)
         (corrupt,) = self.wait("verify")
         if corrupt is not None and spec.rank == 0:
             self._corrupt(corrupt)
@@ -274,7 +278,7 @@ class _Worker:
         total_s = time.perf_counter() - t0
         # one thread claims, posts, waits and verifies: its time outside the claim round trip and its own digests
         # is the transfer's own
-        transfer_s = max(0.0, total_s - self.digest_s - self.ask_s)
+        transfer_s = max(0.0, total_s - self.digest_s - self.ask_s - self.wait_s)
         posted = sum(h.stats.descriptors for h in handles)  # NIXL's telemetry: after it merged the ids
         xfers = sum(len(p) for p in plans)
         vbytes = sum(
@@ -300,7 +304,8 @@ class _Worker:
         """Poll until every request in ``pending`` completed, reporting each one as it does."""
         while pending:
             ev = self.ep.poll()
-            self._answer_digests(ev.control)
+            controls = ev.control if self.claims is None else self.claims.feed(ev.control)
+            self._answer_digests(controls)
             for rid in ev.done:
                 pending.discard(rid)
                 self.send("request_done", rid)
@@ -329,9 +334,9 @@ class _Worker:
     def _verification(self, plans: list[list[Any]]) -> dict[str, tuple[dict[Any, int] | None, Any]]:
         """Per verified request: push: this rank's digest per peer (carried by its done-notices); pull: the check
         comparing this rank's digest of what landed with each prefill rank's. In pull every request is first
-        claimed from its prefill ranks, verified or not (as the connector does before any READ); a verified one's
-        claim answer carries the prefill rank's digest, taken before the READ, so a block the prefill re-writes
-        after its digest fails the request."""
+        claimed from its prefill ranks, verified or not (as the connector does before any READ), and posted once
+        confirmed; a verified one's prefill digests follow in second answers, taken while the READs run, and its
+        check waits for them."""
         policy = VerifyPolicy.parse(self.spec.verify)
         moving = [(r, p) for r, p in zip(self.requests, plans, strict=True) if p]
         chosen = {r.rid for r, _ in moving if policy.selects(r.index)}
@@ -346,23 +351,25 @@ class _Worker:
             self.digest_s += time.perf_counter() - t0
         elif moving:
             t0 = time.perf_counter()
-            answers = self._claim([r for r, _ in moving], chosen)
+            self.claims = self._claim([r for r, _ in moving], chosen)
             self.ask_s += time.perf_counter() - t0
             for r, p in moving:
                 if r.rid in chosen:
-                    out[r.rid] = (None, self._pull_check(r.rid, p, answers[r.rid]))
+                    out[r.rid] = (None, self._pull_check(r.rid, p, self.claims.theirs(r.rid)))
         self.digested += len(chosen)
         return out
 
-    def _claim(self, requests: list[Request], verified: set[str]) -> dict[str, dict[int, tuple[int | None, str]]]:
-        """Claim every request from each prefill rank this rank reads from, with its digest when it is verified
-        (``hybrid_kv.claims``: one message per prefill rank for the whole batch); wait for the answers."""
+    def _claim(self, requests: list[Request], verified: set[str]) -> ClaimRound:
+        """Claim every request from each prefill rank this rank reads from, asking a verified one's digest
+        (``hybrid_kv.claims``: one message per prefill rank for the whole batch); wait for the confirmations."""
         targets = {t: (self.link.addresses[t], f"prefill-{t}") for t in self.link.targets}
         entries = [
             ClaimEntry(r.rid, b"", r.rid, r.decode_ids if r.rid in verified else [], r.rid in verified)
             for r in requests
         ]
-        return claim_digests(self.ep, targets, entries, "decode", self.payload, "xxh3", self.spec.deadline_s)
+        claims = ClaimRound(self.ep, targets, entries, "decode", self.payload, "xxh3", self.spec.deadline_s)
+        claims.wait()
+        return claims
 
     def _corrupt_landed(self, rid: str) -> None:
         """Fault injection (``corrupt_landed``): flip a byte of the first request's first block on decode rank 0,
@@ -371,28 +378,38 @@ class _Worker:
         if self.spec.corrupt_landed and self.spec.rank == 0 and rid == first.rid:
             self.pools[0][first.decode_ids[0][0] * self.side.geometry.page_bytes + 3] ^= 0x10
 
-    def _pull_check(self, rid: str, transfers: list[Any], theirs: dict[int, tuple[int | None, str]]) -> Any:
-        started = [0.0]
-
-        def before() -> None:
-            self._corrupt_landed(rid)
-            started[0] = time.perf_counter()
-
-        def timed(reason: str | None) -> None:
-            self.digest_s += time.perf_counter() - started[0]
+    def _pull_check(self, rid: str, transfers: list[Any], theirs: Any) -> Any:
+        def digested(seconds: float) -> None:
+            self.digest_s += seconds
 
         plan, rank_of = self.link.plan, self.link.rank_of
-        return pull_check(
+        inner = pull_check(
             self.digester,
             plan,
             transfers,
             rank_of,
             "xxh3",
-            theirs.__getitem__,
+            theirs,
             self.spec.rank,
-            before=before,
-            on_result=timed,
+            before=lambda: self._corrupt_landed(rid),
+            on_digested=digested,
         )
+        first = [True]
+
+        def check() -> Any:
+            # what the prefill's digests add: the checks still deciding after the last request landed and was
+            # digested here (waiting for a prefill digest on its way)
+            verdict = inner()
+            now = time.perf_counter()
+            if first[0]:
+                first[0] = False
+                self._landed_at = max(self._landed_at, now)
+            if verdict is not NOT_YET:
+                self._decided_at = max(self._decided_at, now)
+                self.wait_s = max(0.0, self._decided_at - self._landed_at)
+            return verdict
+
+        return check
 
     def _push_check(self, r: Request, payloads: dict[int, bytes]) -> Any:
         """The decode's check of a pushed request: each writer's digest against this rank's digest of the bytes

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import HandshakeError, TransferError
 from .requests import (
+    NOT_YET,
+    Check,
+    CheckVerdict,
     ControlMessage,
     Op,
     PeerKey,
@@ -40,6 +43,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "NOT_YET",
+    "Check",
+    "CheckVerdict",
     "CheckedTable",
     "ControlMessage",
     "Endpoint",

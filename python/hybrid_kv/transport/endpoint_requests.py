@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import TransferError
 from .endpoint_base import EndpointBase, locked
 from .raw import RawResult, post_raw
-from .requests import Op, PeerKey, PollResult, RequestHandle, Transfer
+from .requests import Check, Op, PeerKey, PollResult, RequestHandle, Transfer
 from .seconds import check_seconds
 
 __all__ = ["RequestMethods"]
@@ -27,7 +27,7 @@ class RequestMethods(EndpointBase):
         deadline_s: float,
         *,
         digests: Mapping[PeerKey, int] | None = None,
-        check: Callable[[], str | None] | None = None,
+        check: Check | None = None,
         stages: Sequence[int] | None = None,
     ) -> RequestHandle:
         """Check and post a request: every transfer READs (pull) or WRITEs (push) with one peer.
@@ -39,7 +39,9 @@ class RequestMethods(EndpointBase):
         pair's moves, carried by every done-notice of the request to that peer (push: the decode compares it
         with its own); ``check`` is called once every transfer is DONE, and a reason it returns (a digest
         mismatch) fails the request instead of completing it (pull: this side compares its digest with the
-        peer's). A check that raises fails the request with the exception as the reason.
+        peer's). A check that raises fails the request with the exception as the reason; one that answers
+        ``NOT_YET`` (the peer's digest is still on its way) is asked again at every ``poll()`` until it decides
+        or the deadline passes.
 
         ``stages``: one stage index per transfer makes the request *staged*: it is checked now, but a
         transfer is posted only once ``release`` released its stage. Done-notices are numbered over the whole
@@ -111,7 +113,7 @@ class RequestMethods(EndpointBase):
         senders: int = 1,
         *,
         writers: Iterable[str] | None = None,
-        check: Callable[[dict[str, int | None]], str | None] | None = None,
+        check: Check | None = None,
     ) -> RequestHandle:
         """Await a peer-initiated request (push mode: the peer WRITEs into us).
 

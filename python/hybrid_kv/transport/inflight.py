@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from ..errors import TransferError
 from . import notifications
 from .agent import CALL_ERRORS, DISCONNECT, Agent
 from .peers import Peer, Peers
-from .requests import Op, PeerKey, PollResult, RequestHandle, RequestState, Transfer
+from .requests import NOT_YET, Check, Op, PeerKey, PollResult, RequestHandle, RequestState, Transfer
 from .tables import CheckedTable, check_ids, check_pairs
 
 __all__ = ["InFlight"]
@@ -69,7 +69,7 @@ class InFlight:
         op: Op,
         deadline_s: float,
         digests: Mapping[PeerKey, int] | None = None,
-        check: Callable[[], str | None] | None = None,
+        check: Check | None = None,
         stages: Sequence[int] | None = None,
     ) -> RequestHandle:
         """Check and post an active request (see ``Endpoint.post``); its deadline starts once checked."""
@@ -102,7 +102,7 @@ class InFlight:
         deadline_s: float,
         senders: int,
         seen: Mapping[str, int | None],
-        check: Callable[[dict[str, int | None]], str | None] | None = None,
+        check: Check | None = None,
     ) -> RequestHandle:
         """Await a passive request from ``senders`` peers, ``seen`` of which already landed everything (with the
         digests their notices carried); ``check`` is run on the digests by sender once all landed."""
@@ -141,6 +141,8 @@ class InFlight:
         for req in list(self._by_id.values()):
             if req.state is RequestState.POSTED and req.op is not None:
                 self._check(req)
+            elif req.checking and not req.finished:  # a passive request whose check said NOT_YET
+                self._complete_if_all_senders(req)
         now = time.monotonic()
         for req in list(self._by_id.values()):
             if not req.finished and now > req.deadline:
@@ -406,6 +408,9 @@ class InFlight:
                 reason = req.check(*args)
             except Exception as exc:  # noqa: BLE001 - a broken check fails its request only
                 reason = f"verification failed: {type(exc).__name__}: {exc}"
+            if reason is NOT_YET:  # asked again at the next progress, until the deadline
+                req.checking = True
+                return
             if reason is not None:
                 self.fail(req, reason, notify=req.op is not None)
                 return
@@ -421,6 +426,8 @@ class InFlight:
 
     @staticmethod
     def _deadline_reason(req: RequestHandle) -> str:
+        if req.checking:
+            return "deadline exceeded waiting for its check (every byte landed; the peer's digest never came)"
         if req.op is None:
             return f"deadline exceeded: {len(req._seen)} of {req._senders} senders completed"
         if req.state is RequestState.QUEUED:

@@ -14,6 +14,9 @@ import numpy.typing as npt
 from ..errors import TransferError
 
 __all__ = [
+    "NOT_YET",
+    "Check",
+    "CheckVerdict",
     "ControlMessage",
     "Op",
     "PeerKey",
@@ -26,6 +29,19 @@ __all__ = [
 ]
 
 Op = Literal["READ", "WRITE"]
+
+
+class CheckVerdict(enum.Enum):
+    """What a request's check may answer besides a failure reason (``str``) or ``None`` (passed)."""
+
+    NOT_YET = "not yet"
+    """The check cannot decide yet (the peer's digest is still on its way): it is asked again at every
+    ``poll()`` until it decides or the request's deadline passes."""
+
+
+NOT_YET = CheckVerdict.NOT_YET
+Check = Callable[..., str | None | CheckVerdict]
+"""A request's check: ``None`` (complete it), a failure reason, or ``NOT_YET`` (ask again at the next poll)."""
 PeerKey = int | str | tuple[str, int]
 """What an endpoint knows a connected peer by: any key its caller picks (a peer link uses ``(scope, rank)``)."""
 
@@ -120,7 +136,8 @@ class RequestHandle:
     # verification (``hybrid_kv.verify``): the digest each peer's done-notices carry (active), and the check run
     # once the request's bytes all landed: active ``() -> reason | None``, passive ``(digests by sender) -> ...``
     digests: dict[PeerKey, int] = field(default_factory=dict, repr=False)
-    check: Callable[..., str | None] | None = field(default=None, repr=False)
+    check: Check | None = field(default=None, repr=False)
+    checking: bool = field(default=False, repr=False)  # every byte landed; its check answered NOT_YET so far
 
     @property
     def released(self) -> int | None:

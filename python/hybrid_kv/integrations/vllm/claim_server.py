@@ -2,8 +2,10 @@
 
 A claim entry is answered ``ok`` only for a lease this worker holds, carrying the claim's grant, not held by
 another decode engine and with more than ``LEASE_MARGIN_S`` left (``LeaseBook.claim``); its answer says when the
-lease ends, and for a verified request carries this rank's digest of its side of the moves (rebuilt from the
-claim's payload and ids and the lease's own ids, ``verify``), taken while the lease holds the blocks. A claim for
+lease ends; a verified request's answer says its digest follows, and the digest (this rank's of its side of the
+moves, rebuilt from the claim's payload and ids and the lease's own ids, ``verify``) is taken once the step's
+answers are on their way, so the decode's READ runs meanwhile; the lease holds the blocks until the decode
+releases them, after its check. A claim for
 a request not leased here yet waits with the early messages (in wire form, bounded) and is answered when its lease
 comes, or refused when it expires; one for a lease that ended is refused at once. Answers go to the claiming
 rank's side channel, which must be inside ``peer_networks``, one ``ClaimAnswers`` per decode rank per step.
@@ -14,7 +16,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ...claims import Claim, ClaimEntry, ClaimResult, answer_claim, answer_messages, decode_claim_message
+from ...claims import (
+    Claim,
+    ClaimEntry,
+    ClaimResult,
+    DigestDue,
+    answer_claim,
+    answer_messages,
+    decode_claim_message,
+    take_digests,
+)
 from ...connector_core.early import EARLY_TTL_S
 from ...connector_core.leases import LeaseBook, engine_of
 from ...connector_core.params import host_allowed
@@ -33,6 +44,7 @@ class ClaimServer:
         self.reg = reg
         self.leases = leases
         self._answers: dict[tuple[str, str], list[ClaimResult]] = {}
+        self._due: dict[tuple[str, str], list[DigestDue]] = {}  # digests owed, taken after the answers went
         self.after_digest: Callable[[str, BlockIds], None] | None = None  # tests: fault injection after a digest
 
     def on_claim(self, sender: str, msg: Claim, raw: bytes, only: str | None = None) -> None:
@@ -51,16 +63,11 @@ class ClaimServer:
             got = leases.claim(msg.engine, entry)
             return got if got is None or isinstance(got, str) else (got.block_ids, leases.expires_at(got))
 
-        hook = self.after_digest
-        results, early = answer_claim(
-            msg,
-            lookup,
-            reg.mirrors,
-            reg.digester,
-            only=only,
-            after_digest=None if hook is None else lambda e, ids: hook(e.req, [list(g) for g in ids]),
-        )
-        self._answers.setdefault((f"tcp://{msg.host}:{msg.port}", sender), []).extend(results)
+        results, early, due = answer_claim(msg, lookup, True, only=only)
+        dest = (f"tcp://{msg.host}:{msg.port}", sender)
+        self._answers.setdefault(dest, []).extend(results)
+        if due:
+            self._due.setdefault(dest, []).extend(due)
         if early:
             self.leases.early.keep(sender, raw, early)
 
@@ -78,8 +85,15 @@ class ClaimServer:
                 answers.append(ClaimResult(entry.d_req, False, f"no lease of {entry.req!r} within {EARLY_TTL_S:g} s"))
 
     def flush(self) -> None:
-        """Send the answers of this step: one message per decode rank (more if they would not fit one)."""
+        """Send the answers of this step: one message per decode rank (more if they would not fit one); then take
+        the digests owed and send them the same way (the decode ranks READ meanwhile)."""
         answers, self._answers = self._answers, {}
         for (address, to), results in answers.items():
             if results:
                 self.reg.outbox.send((address, m, to) for m in answer_messages(results, self.reg.instance))
+        owed, self._due = self._due, {}
+        hook = self.after_digest
+        after = None if hook is None else lambda e, ids: hook(e.req, [list(g) for g in ids])
+        for (address, to), due in owed.items():
+            digests = take_digests(due, self.reg.mirrors, self.reg.digester, after)
+            self.reg.outbox.send((address, m, to) for m in answer_messages(digests, self.reg.instance))

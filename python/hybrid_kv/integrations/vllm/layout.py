@@ -283,11 +283,12 @@ def rank_table(
     return table, geo
 
 
-CONNECTOR_WIRE_VERSION = 2
+CONNECTOR_WIRE_VERSION = 3
 """Version of what this connector's halves exchange beyond the handshake payload (``kv_transfer_params`` tickets,
 control messages, side-channel requests): hashed into ``compat_hash`` (the ``connector`` factor), so engines
 speaking different versions refuse each other at the handshake. Bump it with any change to them (2: the
-concurrent push's ``stream_reg`` control message)."""
+concurrent push's ``stream_reg`` control message; 3: a verified claim's digest follows its confirmation,
+``ClaimResult.follows``)."""
 
 
 UNKNOWN_BACKEND = "unknown"

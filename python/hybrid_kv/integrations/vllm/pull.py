@@ -4,8 +4,10 @@ For each request with a verified ticket, once the link to its prefill engine is 
 its transfers and claims the lease from every prefill rank it reads from (``claims``: one ``Claim`` per prefill
 rank per step for all the requests started in it). The READ is posted only once every rank answered ``ok``, so
 the rank never reads blocks the prefill no longer holds for it (a replayed ticket, an ended lease), and it must
-end ``LEASE_MARGIN_S`` before the earliest lease end the answers gave. With ``verify`` the answers carry the
-prefill ranks' digests, compared with this rank's digest of what landed before the request is reported done.
+end ``LEASE_MARGIN_S`` before the earliest lease end the answers gave. With ``verify`` each prefill rank answers
+``ok`` at once and sends its digest in a second answer while the READ runs; once the READ landed this rank digests
+what landed and compares, waiting for a digest still on its way (the transport asks the check again at every poll,
+until the transfer timeout), before the request is reported done.
 When the READ ended (or failed, or there was nothing to read), a ``Release`` goes to every prefill rank it
 claimed from. A claim refused, lost (never acknowledged) or unanswered within ``transfer_timeout_s`` fails the
 request alone (vLLM's ``kv_load_failure_policy``).
@@ -27,7 +29,7 @@ from ...connector_core import control
 from ...connector_core.control import worker_name
 from ...connector_core.leases import LEASE_MARGIN_S, renewal_until
 from ...peer_link import PeerLink
-from ...transport import Transfer, TransferError
+from ...transport import CheckVerdict, Transfer, TransferError
 from ...transport.courier import Delivery
 from ...verify import pull_check
 from .links import Links, Parked
@@ -38,8 +40,17 @@ __all__ = ["PullRecv"]
 
 log = logging.getLogger("hybrid_kv.integrations.vllm.worker")
 
-Answer = tuple[bool, str, float, int | None]
-"""A prefill rank's claim answer: ``(ok, error, lease end (wall clock), digest or None)``."""
+
+@dataclass
+class Answer:
+    """A prefill rank's claim answer: ok, why not, its lease's end (wall clock), and its digest (``follows``: still
+    on its way)."""
+
+    ok: bool
+    error: str
+    expires_at: float
+    digest: int | None
+    follows: bool = False
 
 
 def lease_over(expires_at: float | None) -> bool:
@@ -68,6 +79,7 @@ class PullRecv:
         self.reg = reg
         self.links = links
         self.waits: dict[str, PullWait] = {}  # decode request id -> its claims
+        self.digests_due: dict[str, PullWait] = {}  # decode request id -> its claims, READ posted, a digest to come
         self._claims = ClaimBatcher()
         self._renewing: dict[str, tuple[int, float, RecvReq]] = {}  # request -> (acks due, lease end asked, it)
 
@@ -130,15 +142,21 @@ class PullRecv:
     # ------------------------------------------------------------------ answers
 
     def on_answers(self, sender: str, msg: ClaimAnswers) -> None:
-        """A prefill rank's claim answers: only the ranks asked answer, once each; the READ is posted once all
-        answered ``ok``."""
+        """A prefill rank's claim answers: only the ranks asked answer, once each (and once more with the digest
+        they said follows); the READ is posted once all answered ``ok``."""
         for res in msg.results:
-            wait = self.waits.get(res.d_req)
+            wait = self.waits.get(res.d_req) or self.digests_due.get(res.d_req)
             rank = None if wait is None else wait.names.get(sender)
             if wait is None or rank is None:
                 self.reg.refused(sender, f"claim answer for {res.d_req!r}, which awaits none from this sender")
                 continue
-            if rank in wait.answers:  # a repeat (its sender may send again when an ack was late): the first counts
+            digest = int(res.digest, 16) if res.digest else None
+            prev = wait.answers.get(rank)
+            if prev is not None:  # a repeat (its sender may send again when an ack was late), or the digest owed
+                if prev.follows and res.ok and not res.follows:
+                    prev.digest, prev.error, prev.follows = digest, res.error, False
+                continue
+            if wait is not self.waits.get(res.d_req):  # a first answer after the READ was posted: none is due
                 continue
             engine = wait.link.engine_id
             if res.ok and self.links.stale(engine, rank, msg.instance):
@@ -149,8 +167,7 @@ class PullRecv:
                 del self.waits[res.d_req]
                 self.start(wait.req)
                 continue
-            digest = int(res.digest, 16) if res.digest else None
-            wait.answers[rank] = (res.ok, res.error, res.expires_at, digest)
+            wait.answers[rank] = Answer(res.ok, res.error, res.expires_at, digest, res.ok and res.follows)
             if len(wait.answers) == len(wait.names):
                 del self.waits[res.d_req]
                 self._read(wait)
@@ -158,17 +175,17 @@ class PullRecv:
     def _read(self, wait: PullWait) -> None:
         self.reg.stats.record_claim(time.perf_counter() - wait.queued)
         req = wait.req
-        refused = {r: err for r, (ok, err, _, _) in wait.answers.items() if not ok}
+        refused = {r: a.error for r, a in wait.answers.items() if not a.ok}
         if refused:
             self.reg.stats.count("num_refused_claims")
             self.fail(req, f"prefill ranks refused the claim: {refused}", wait.link, claimed=False)
             return
-        missing = {r: err for r, (_, err, _, d) in wait.answers.items() if req.verify and d is None}
+        missing = {r: a.error for r, a in wait.answers.items() if req.verify and a.digest is None and not a.follows}
         if missing:  # nothing to compare with: fail now instead of reading
             self.reg.stats.count("num_digest_mismatches")
             self.fail(req, f"no digest from prefill ranks {missing} (nothing read)", wait.link)
             return
-        ends = [end for _, _, end, _ in wait.answers.values()]
+        ends = [a.expires_at for a in wait.answers.values()]
         expires_at = min(ends) if ends else req.lease_expires_at
         if lease_over(expires_at):
             self.fail(req, f"the prefill engine's lease on {req.remote_request_id!r} ends too soon to read", wait.link)
@@ -182,20 +199,24 @@ class PullRecv:
         except Exception as exc:  # noqa: BLE001 - report, never crash a step
             self.fail(req, str(exc), wait.link)
             return
+        if any(a.follows for a in wait.answers.values()):
+            self.digests_due[req.request_id] = wait
         nids = sum(int(t.local_ids.size) for t in wait.transfers)
         extra = (req, expires_at)
         reg.inflight[req.request_id] = Job(
             self, req.request_id, wait.link, wait.transfers, handle, nids, req.local_block_ids, extra=extra
         )
 
-    def _check(self, wait: PullWait) -> Callable[[], str | None]:
+    def _check(self, wait: PullWait) -> Callable[[], str | None | CheckVerdict]:
         """The check run once a verified READ is done: this rank's digest of what landed against each prefill
-        rank's (from its claim answer); a mismatch is the request's failure reason."""
+        rank's (from its second claim answer, waited for); a mismatch is the request's failure reason."""
         stats = self.reg.stats
 
-        def theirs(rank: int) -> tuple[int | None, str]:
-            _, error, _, digest = wait.answers.get(rank, (False, "no answer", 0.0, None))
-            return digest, error
+        def theirs(rank: int) -> tuple[int | None, str] | None:
+            a = wait.answers.get(rank)
+            if a is None:
+                return None, "no answer"
+            return None if a.follows else (a.digest, a.error)
 
         def counted(reason: str | None) -> None:
             stats.count("num_verified_transfers")
@@ -219,6 +240,7 @@ class PullRecv:
     def finish(self, job: Job, err: TransferError | None) -> None:
         """The READ of ``job`` ended (``err``: how it failed)."""
         req, expires_at = job.extra
+        self.digests_due.pop(job.request_id, None)
         if err is None and lease_over(expires_at):
             # the bytes may come from blocks the prefill engine freed and reused: not a valid load
             err = TransferError(f"read of {job.request_id!r} ended after the prefill engine's lease expired")
@@ -235,6 +257,7 @@ class PullRecv:
         """``req`` cannot load (nothing of it is posted): it fails alone; the prefill ranks it claimed from are
         told to free its blocks (``claimed``: its claims may have been confirmed)."""
         self.waits.pop(req.request_id, None)
+        self.digests_due.pop(req.request_id, None)
         log.error("hybrid-kv %s: request %s cannot load: %s", self.reg.name, req.request_id, reason)
         self.reg.completion.recv_failed(req.request_id, req.local_block_ids)
         if claimed and link is not None and req.grant:
