@@ -105,6 +105,23 @@ def test_bad_configs_fail_before_any_process_starts() -> None:
         make_requests(cfg, *cfg.validate())
 
 
+def test_split_cores_gives_each_side_half_of_the_usable_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hybrid_kv.demo.run as run
+
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {5, 1, 3, 7, 9})
+    assert run.core_share("prefill") == (1, 3) and run.core_share("decode") == (5, 7, 9)
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {4})
+    with pytest.raises(LayoutError, match="split_cores needs 2 cores, this process may use 1"):
+        DemoConfig(split_cores=True).validate()
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="--split-cores needs 2 usable cores")
+def test_a_run_with_split_cores_is_verified(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--split-cores", "--requests", "4", "--tokens", "300", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["verified"] and res["problems"] == [] and res["config"]["split_cores"] is True
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         corrupt=args.inject_corruption,
         verify=args.verify,
+        split_cores=args.split_cores,
     )
     cfg.validate()  # bad arguments fail here, before any process starts
     preset = get_preset(cfg.preset)
@@ -393,6 +394,12 @@ def register(sub: Any) -> None:
         metavar="WHICH",
         help="end-to-end transfer digests: 'all' (default), 'off', or 'sampled:N' (every Nth request, "
         f"1 <= N <= {MAX_SAMPLE_EVERY}); a mismatch fails its request",
+    )
+    p.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="run the prefill ranks on one half of the cores this process may use and the decode ranks on the "
+        "other, as P and D on machines of their own (needs 2 cores; default: every rank on every core)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests: verification must fail

@@ -60,6 +60,9 @@ class DemoConfig:
 
     verify: str = "all"
     """Which requests are verified end to end (``hybrid_kv.verify``): ``off``, ``all`` or ``sampled:N``."""
+    split_cores: bool = False
+    """Prefill ranks on the first half of the cores this process may use, decode ranks on the other half (as P
+    and D on machines of their own, so neither side's work takes the other's cores); needs 2 cores."""
 
     def validate(self) -> tuple[Side, Side]:
         """Check the arguments before any process starts; returns the ``(prefill, decode)`` sides."""
@@ -76,6 +79,8 @@ class DemoConfig:
             raise LayoutError(f"corrupt_at must be 'received', 'hole', 'prefill' or 'landed', got {self.corrupt_at!r}")
         if self.start_method not in ("spawn", "forkserver"):
             raise LayoutError(f"start method must be 'spawn' or 'forkserver', got {self.start_method!r}")
+        if self.split_cores and len(usable_cores()) < 2:
+            raise LayoutError(f"split_cores needs 2 cores, this process may use {len(usable_cores())}")
         if self.requests < 1 or self.tokens < 1:
             raise LayoutError(f"need at least one request of at least one token, got {self.requests} x {self.tokens}")
         preset.check_tp(self.prefill_tp, "prefill")
@@ -88,6 +93,18 @@ class DemoConfig:
         n_p = self.num_blocks or _pool_size(preset.group_kinds(), pg.logical_block_size, self)
         n_d = self.num_blocks or _pool_size(preset.group_kinds(), dg.logical_block_size, self)
         return Side(preset, pg, n_p), Side(preset, dg, n_d)
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def core_share(role: str) -> tuple[int, ...]:
+    """``split_cores``: the prefill ranks' cores (the first half) or the decode ranks' (the rest)."""
+    cores = usable_cores()
+    half = len(cores) // 2
+    return tuple(cores[:half] if role == "prefill" else cores[half:])
 
 
 @dataclass
@@ -247,6 +264,7 @@ class _Ranks:
                     cfg.timeout_s,
                     cfg.verify,
                     cfg.corrupt and cfg.corrupt_at == "landed",
+                    core_share(role) if cfg.split_cores else None,
                 )
                 inbox = ctx.Queue()
                 proc = ctx.Process(

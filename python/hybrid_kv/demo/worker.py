@@ -52,6 +52,8 @@ class WorkerSpec:
     corrupt_landed: bool = False
     """Fault injection (tests): decode rank 0 flips a byte of the first request's first block once it landed,
     before its digest is checked."""
+    cpus: tuple[int, ...] | None = None
+    """The cores this rank runs on (``DemoConfig.split_cores``); ``None``: any."""
 
     @property
     def active(self) -> bool:
@@ -78,6 +80,8 @@ def main(
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines would drown the demo's output
     if secret is not None:
         os.environ["HYBRID_KV_SECRET"] = secret
+    if spec.cpus is not None:  # before torch and the digests' thread pool size themselves by it
+        os.sched_setaffinity(0, spec.cpus)
     try:
         _Worker(spec, inbox, outbox, other_side).run()
     except SystemExit:
