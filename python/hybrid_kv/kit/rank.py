@@ -197,7 +197,7 @@ class Rank:
         algo = algorithm(self.table.mem_type, *(payload_mem_type(p) for p in self.peer_payloads.values()))
         self.digest_s, self.digested, self.ask_s = 0.0, 0, 0.0
         t0 = time.perf_counter()
-        answers = self._ask_digests(names, tag, algo) if verify and spec.mode == "pull" else {}
+        rounds = self._claim(names, tag, algo) if verify and spec.mode == "pull" else {}
         handles = []
         for rid in names:
             ts = self.transfers[rid]
@@ -211,10 +211,13 @@ class Rank:
                 self.digest_s += time.perf_counter() - d0
                 self.digested += 1
             elif verify:
-                check_fn = self._pull_check(ts, answers[rid], algo)
+                check_fn = self._pull_check(ts, rounds[rid].theirs(rid), algo)
             handles.append(self.ep.post(f"{rid}@{tag}", ts, op, spec.deadline_s, digests=digests, check=check_fn))
+        claims = list({id(r): r for r in rounds.values()}.values())
         while any(not h.finished for h in handles):
-            self.ep.poll()
+            controls = self.ep.poll().control
+            for r in claims:  # the prefill digests that follow their claims' confirmations
+                controls = r.feed(controls)
             time.sleep(POLL_SLEEP_S)
         wall = time.perf_counter() - t0
         failed = [f"{h.request_id}: {h.error}" for h in handles if h.state is not RequestState.DONE]
@@ -230,10 +233,11 @@ class Rank:
             "failed": failed,
         }
 
-    def _ask_digests(self, names: list[str], tag: str, algo: str) -> dict[str, dict[int, tuple[int | None, str]]]:
-        """Pull: ask every prefill rank each request reads from for its digest, before posting (as the connector
-        does); returns ``{name: {prefill rank: (digest, error)}}``."""
-        from ..claims import ClaimEntry, claim_digests
+    def _claim(self, names: list[str], tag: str, algo: str) -> dict[str, Any]:
+        """Pull: claim every request from the prefill ranks it reads from, asking their digests, and wait for the
+        confirmations (as the connector does: the digests follow while the READs run); returns each request's
+        ``ClaimRound``."""
+        from ..claims import ClaimEntry, ClaimRound
 
         t0 = time.perf_counter()
         by_peers: dict[tuple[int, ...], list[ClaimEntry]] = {}
@@ -243,12 +247,14 @@ class Rank:
             local, _ = self.ids(self.requests[rid])
             peers = tuple(sorted({self.link.rank_of(t.peer) for t in self.transfers[rid]}))
             by_peers.setdefault(peers, []).append(ClaimEntry(f"{rid}@{tag}", b"", rid, local, True))
-        got: dict[str, dict[int, tuple[int | None, str]]] = {rid: {} for rid in names}
+        rounds: dict[str, Any] = {}
         for peers, entries in by_peers.items():
             targets = {p: self.peers[p] for p in peers}
-            got.update(claim_digests(self.ep, targets, entries, "decode", self.payload, algo, self.spec.deadline_s))
+            claims = ClaimRound(self.ep, targets, entries, "decode", self.payload, algo, self.spec.deadline_s)
+            claims.wait()
+            rounds.update((e.d_req, claims) for e in entries)
         self.ask_s += time.perf_counter() - t0
-        return got
+        return rounds
 
     def _timers(self) -> tuple[Any, Any]:
         """``(before, on_result)`` hooks timing one verification check into ``digest_s`` and counting it."""
@@ -263,10 +269,15 @@ class Rank:
 
         return before, timed
 
-    def _pull_check(self, transfers: list[Any], theirs: dict[int, tuple[int | None, str]], algo: str) -> Any:
+    def _pull_check(self, transfers: list[Any], theirs: Any, algo: str) -> Any:
         from ..verify import pull_check
 
-        before, timed = self._timers()
+        def digested(seconds: float) -> None:
+            self.digest_s += seconds
+
+        def decided(reason: str | None) -> None:
+            self.digested += 1
+
         link = self.link
         return pull_check(
             self.digester,
@@ -274,10 +285,10 @@ class Rank:
             transfers,
             link.rank_of,
             algo,
-            theirs.__getitem__,
+            theirs,
             self.spec.rank,
-            before=before,
-            on_result=timed,
+            on_digested=digested,
+            on_result=decided,
         )
 
     # ------------------------------------------------------------------ the passive rank
