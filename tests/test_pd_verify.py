@@ -60,6 +60,16 @@ def expected_reason(d: DecodeRank, req: Request, prefill_ids: list[list[int]] | 
     return mismatch_reason(0, 0, int(moves[:, 2].sum()), len(moves))
 
 
+def flipper(d: DecodeRank, req: Request, offset: int, mask: int) -> Callable[[], None]:
+    """Fault injection: flip ``mask`` in byte ``offset`` of ``req``'s first destination block (third tensor)."""
+    at = req.decode_ids[0][0] * d.rank.side.geometry.page_bytes + offset
+
+    def flip() -> None:
+        d.rank.pools[2][at] ^= mask
+
+    return flip
+
+
 def run_three(
     d: DecodeRank,
     a: PrefillProcess,
@@ -106,13 +116,7 @@ def test_a_byte_flipped_in_the_destination_after_the_read(
     pair: tuple[DecodeRank, PrefillProcess, list[Request]],
 ) -> None:
     d, a, reqs = pair
-    page = d.rank.side.geometry.page_bytes
-    block = reqs[1].decode_ids[0][0]
-
-    def flip() -> None:
-        d.rank.pools[2][block * page + 17] ^= 0x01
-
-    err = run_three(d, a, reqs, flip)
+    err = run_three(d, a, reqs, flipper(d, reqs[1], 17, 0x01))
     assert err.endswith(expected_reason(d, reqs[1])), err
 
 
@@ -189,14 +193,8 @@ def test_a_flipped_byte_is_caught_when_the_digest_comes_after_the_read(
     pair: tuple[DecodeRank, PrefillProcess, list[Request]],
 ) -> None:
     d, a, reqs = pair
-    page = d.rank.side.geometry.page_bytes
-    block = reqs[1].decode_ids[0][0]
-
-    def flip() -> None:
-        d.rank.pools[2][block * page + 5] ^= 0x40
-
     a.cmds.put(("hold", reqs[1].rid))
-    _, claims, verdicts = d.pull_overlapped("A", reqs[1], 20.0, before_check=flip)
+    _, claims, verdicts = d.pull_overlapped("A", reqs[1], 20.0, before_check=flipper(d, reqs[1], 5, 0x40))
     pump_claims(d, claims, lambda e: "not yet" in verdicts)
     a.cmds.put(("release", reqs[1].rid))
     ev = pump_claims(d, claims, lambda e: e.done or e.failed)
