@@ -109,8 +109,8 @@ def _assert_verified(d: Engine, verify: str, loads: int) -> None:
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
 def test_kimi_linear_pull(model_dirs: dict[str, str], p_tp: int, d_tp: int, verify: str) -> None:
     """The seed case: hybrid MLA + KDA in shared HMA tensors, heterogeneous TP both ways, decode READs; with
-    ``verify=all`` each READ is also checked end to end (the prefill's digest, asked first, against the bytes
-    that landed)."""
+    ``verify=all`` each READ is also checked end to end (the prefill's digest, asked in the claim and sent after
+    its confirmation, against the bytes that landed)."""
     p, d = _transfer(model_dirs, "kimi", p_tp, d_tp, "pull", [300, 517, 64], verify)
     s = _stats(d)
     assert len(s["bytes"]) == 3 * d_tp and all(b > 0 for b in s["bytes"])

@@ -286,7 +286,8 @@ def _digest_line(result: Any, mode: str) -> str:
         without = result.transfer_total_s - cost  # the transfer phase as verify=off would have it
         share = (
             f"; added {_ms(cost)}: +{cost / without:.0%} to the transfer phase, +{cost / result.transfer_s:.0%} to "
-            "the transfer alone (an upper bound: the decode digests a request while others are in flight)"
+            "the transfer alone (its verification time on this run's critical path; what the digests' CPU takes from "
+            "the copies on shared cores shows only side by side: benches/verify_overhead.py)"
         )
     mismatches = "no mismatch" if not result.digest_mismatches else f"{len(result.digest_mismatches)} mismatched"
     return (

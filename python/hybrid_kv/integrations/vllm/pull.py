@@ -58,6 +58,11 @@ def lease_over(expires_at: float | None) -> bool:
     return expires_at is not None and time.time() > expires_at - LEASE_MARGIN_S
 
 
+def read_ranks(link: PeerLink, transfers: list[Transfer]) -> set[int]:
+    """The prefill ranks ``transfers`` read from (those whose digests a verified request compares)."""
+    return {link.rank_of(t.peer) for t in transfers}
+
+
 @dataclass
 class PullWait:
     """A request whose claims are out: the ranks asked (name -> rank) and what each answered."""
@@ -117,8 +122,11 @@ class PullRecv:
             names = {worker_name(link.engine_id, r): r for r in link.targets}
             ids = req.local_block_ids if req.verify else []
             entry = ClaimEntry(req.remote_request_id, req.grant, req.request_id, ids, req.verify, req.ticket)
+            # every rank holding the request confirms its lease; only those it reads from owe a digest
+            plain = ClaimEntry(req.remote_request_id, req.grant, req.request_id, [], False, req.ticket)
+            read = read_ranks(link, transfers)
             for name, r in names.items():
-                self._claims.add(link.addresses[r], name, entry)
+                self._claims.add(link.addresses[r], name, entry if r in read else plain)
             algo = self.links.algos.get(link.engine_id, "xxh3")
             deadline = time.monotonic() + self.reg.cfg.transfer_timeout_s
             self.waits[req.request_id] = PullWait(req, link, transfers, names, deadline, algo)
@@ -180,7 +188,12 @@ class PullRecv:
             self.reg.stats.count("num_refused_claims")
             self.fail(req, f"prefill ranks refused the claim: {refused}", wait.link, claimed=False)
             return
-        missing = {r: a.error for r, a in wait.answers.items() if req.verify and a.digest is None and not a.follows}
+        read = read_ranks(wait.link, wait.transfers)
+        missing = {
+            r: a.error
+            for r, a in wait.answers.items()
+            if req.verify and r in read and a.digest is None and not a.follows
+        }
         if missing:  # nothing to compare with: fail now instead of reading
             self.reg.stats.count("num_digest_mismatches")
             self.fail(req, f"no digest from prefill ranks {missing} (nothing read)", wait.link)
