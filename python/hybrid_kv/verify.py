@@ -322,13 +322,16 @@ def pull_check(
             mine = initiator_digests(digester, plan, transfers, rank_of, algo)
             if on_digested is not None:
                 on_digested(time.perf_counter() - t0)
-        answers = {peer: theirs(rank_of(peer)) for peer in mine}
-        if any(a is None for a in answers.values()):
-            return NOT_YET
+        answers: dict[PeerKey, tuple[int | None, str]] = {}
+        for peer in mine:
+            answer = theirs(rank_of(peer))
+            if answer is None:
+                return NOT_YET
+            answers[peer] = answer
         reason = None
         for peer, d in mine.items():
             p_rank = rank_of(peer)
-            digest, error = answers[peer]  # type: ignore[misc]
+            digest, error = answers[peer]
             reason = compare(d, digest, p_rank, decode_rank)
             if reason is not None:
                 reason += f" ({error})" if error else ""

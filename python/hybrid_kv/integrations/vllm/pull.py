@@ -58,19 +58,16 @@ def lease_over(expires_at: float | None) -> bool:
     return expires_at is not None and time.time() > expires_at - LEASE_MARGIN_S
 
 
-def read_ranks(link: PeerLink, transfers: list[Transfer]) -> set[int]:
-    """The prefill ranks ``transfers`` read from (those whose digests a verified request compares)."""
-    return {link.rank_of(t.peer) for t in transfers}
-
-
 @dataclass
 class PullWait:
-    """A request whose claims are out: the ranks asked (name -> rank) and what each answered."""
+    """A request whose claims are out: the ranks asked (name -> rank), those it reads from (whose digests a verified
+    request compares) and what each answered."""
 
     req: RecvReq
     link: PeerLink
     transfers: list[Transfer]
     names: dict[str, int]
+    read: set[int]
     deadline: float  # monotonic
     algo: str
     answers: dict[int, Answer] = field(default_factory=dict)
@@ -124,12 +121,12 @@ class PullRecv:
             entry = ClaimEntry(req.remote_request_id, req.grant, req.request_id, ids, req.verify, req.ticket)
             # every rank holding the request confirms its lease; only those it reads from owe a digest
             plain = ClaimEntry(req.remote_request_id, req.grant, req.request_id, [], False, req.ticket)
-            read = read_ranks(link, transfers)
+            read = {link.rank_of(t.peer) for t in transfers}
             for name, r in names.items():
                 self._claims.add(link.addresses[r], name, entry if r in read else plain)
             algo = self.links.algos.get(link.engine_id, "xxh3")
             deadline = time.monotonic() + self.reg.cfg.transfer_timeout_s
-            self.waits[req.request_id] = PullWait(req, link, transfers, names, deadline, algo)
+            self.waits[req.request_id] = PullWait(req, link, transfers, names, read, deadline, algo)
         except Exception as exc:  # noqa: BLE001 - report, never crash a step
             self.fail(req, str(exc))
 
@@ -188,11 +185,10 @@ class PullRecv:
             self.reg.stats.count("num_refused_claims")
             self.fail(req, f"prefill ranks refused the claim: {refused}", wait.link, claimed=False)
             return
-        read = read_ranks(wait.link, wait.transfers)
         missing = {
             r: a.error
             for r, a in wait.answers.items()
-            if req.verify and r in read and a.digest is None and not a.follows
+            if req.verify and r in wait.read and a.digest is None and not a.follows
         }
         if missing:  # nothing to compare with: fail now instead of reading
             self.reg.stats.count("num_digest_mismatches")
