@@ -37,16 +37,18 @@ __all__ = [
     "TransferMode",
 ]
 
-KvLayout = Literal["HND", "NHD", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "LHBNC", "BHLNC"]
-"""An engine's KV-cache layout name: FlashInfer's ``HND``/``NHD`` or vLLM's stride orders of ``[L, B, H, N, C]``
-(layers, blocks, heads, tokens, cell). ``HND``, ``LBHNC`` and ``BLHNC`` have heads-major pages, ``NHD``,
-``LBNHC`` and ``BLNHC`` token-major ones; ``LHBNC`` and ``BHLNC`` keep a block's heads apart and are refused for
-attention."""
+KvLayout = Literal["HND", "NHD", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "HKTV", "LHBNC", "BHLNC"]
+"""An engine's KV-cache layout name: FlashInfer's ``HND``/``NHD``, vLLM's stride orders of ``[L, B, H, N, C]``
+(layers, blocks, heads, tokens, cell), or ``HKTV``. ``HND``, ``LBHNC`` and ``BLHNC`` have heads-major pages,
+``NHD``, ``LBNHC`` and ``BLNHC`` token-major ones; ``HKTV`` heads-major pages whose heads keep K transposed
+(``[head_size, tokens]``, then V as ``[tokens, head_size]``: vLLM's CPU attention); ``LHBNC`` and ``BHLNC`` keep a
+block's heads apart and are refused for attention."""
 
-KV_LAYOUTS: tuple[KvLayout, ...] = ("HND", "NHD", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "LHBNC", "BHLNC")
+KV_LAYOUTS: tuple[KvLayout, ...] = ("HND", "NHD", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "HKTV", "LHBNC", "BHLNC")
 
-PageLayout = Literal["HND", "NHD"]
-"""Order of the (head, token) cells in an attention page: heads-major or token-major (docs/byte-layouts.md)."""
+PageLayout = Literal["HND", "NHD", "HKTV"]
+"""Order of the (head, token) cells in an attention page: heads-major, token-major, or heads-major with each
+head's K transposed (docs/byte-layouts.md)."""
 
 MambaKind = Literal["mamba1", "mamba2", "gdn"]
 """Conv sub-projections of an SSM state: Mamba1 ``x``; Mamba2 ``x | B | C``; GDN/KDA ``Q | K | V``."""

@@ -134,16 +134,22 @@ fn engine(engine: &str, mode: TransferMode) -> EngineInfo {
 }
 
 fn meta_of(layout: &RankLayout, name: &str, mode: TransferMode) -> AgentMeta {
-    AgentMeta::from_table(
-        &RegionTable::build(layout).expect("fixture layouts are valid"),
-        &engine(name, mode),
-    )
+    let table = RegionTable::build(layout).expect("fixture layouts are valid");
+    let info = EngineInfo {
+        kv_layout: table.page_order.name().into(),
+        ..engine(name, mode)
+    };
+    AgentMeta::from_table(&table, &info)
 }
 
 impl Case {
     /// The local rank's own handshake metadata (engine `local`), for validating the remotes against.
     pub fn local_meta(&self) -> AgentMeta {
-        AgentMeta::from_table(&self.local, &engine("local", self.mode))
+        let info = EngineInfo {
+            kv_layout: self.local.page_order.name().into(),
+            ..engine("local", self.mode)
+        };
+        AgentMeta::from_table(&self.local, &info)
     }
 }
 
@@ -219,6 +225,19 @@ pub fn cases() -> Vec<Case> {
         remotes: vec![meta_of(&gqa(1, 0, 16), "peer", TransferMode::Push)],
         mode: TransferMode::Push,
     });
+    // The same GQA in HKTV pages (K transposed: K rows + 1 descriptors per head and unit), pulling.
+    let hktv = |tp: u32, rank: u32, kernel: u64| RankLayout {
+        kv_layout: Some("HKTV".into()),
+        ..gqa(tp, rank, kernel)
+    };
+    out.push(Case {
+        name: "gqa HKTV kernel 16 <- kernel 32 tp2",
+        local: RegionTable::build(&hktv(1, 0, 16)).expect("valid"),
+        remotes: (0..2)
+            .map(|r| meta_of(&hktv(2, r, 32), "peer", TransferMode::Pull))
+            .collect(),
+        mode: TransferMode::Pull,
+    });
     out
 }
 
@@ -268,7 +287,7 @@ fn mutate_field(rng: &mut Rng, m: &mut AgentMeta) {
     let region = |rng: &mut Rng, m: &mut AgentMeta| -> Option<usize> {
         (!m.regions.is_empty()).then(|| rng.pick(m.regions.len()))
     };
-    match rng.below(24) {
+    match rng.below(25) {
         0 => m.tp_size = nasty32(rng, m.tp_size),
         1 => m.tp_rank = nasty32(rng, m.tp_rank),
         2 => m.num_blocks = nasty(rng, m.num_blocks),
@@ -339,6 +358,11 @@ fn mutate_field(rng: &mut Rng, m: &mut AgentMeta) {
             _ => m.groups.push(GroupKind::Attention),
         },
         21 => m.use_mla ^= true,
+        23 => match rng.below(3) {
+            0 => m.k_rows = nasty(rng, m.k_rows),
+            1 => m.kv_layout = if m.kv_layout == "HKTV" { "HND" } else { "HKTV" }.into(),
+            _ => m.k_rows = m.k_rows.wrapping_add(1),
+        },
         22 => {
             // Whole-region scaling that keeps the meta self-consistent: more blocks than anyone could hold.
             let n = nasty(rng, m.num_logical_blocks);
@@ -616,7 +640,7 @@ mod tests {
             );
             assert_eq!(report.moves_outside, 0, "{}: {report}", case.name);
         }
-        assert_eq!(cases().len(), 6, "every fixture case builds");
+        assert_eq!(cases().len(), 7, "every fixture case builds");
     }
 
     #[test]

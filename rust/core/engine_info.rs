@@ -4,7 +4,7 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::kv_layout::{page_order_of, KV_LAYOUTS};
+use super::kv_layout::{page_order_of, CONTIGUOUS_LAYOUTS, KV_LAYOUTS};
 use super::meta::TransferMode;
 use super::region::{GroupKind, RegionTable};
 
@@ -57,7 +57,7 @@ impl EngineInfo {
                         format!(
                             "{:?} keeps a block's heads apart, which hybrid-kv cannot address; expected one of {:?}",
                             self.kv_layout,
-                            &KV_LAYOUTS[..6]
+                            &KV_LAYOUTS[..CONTIGUOUS_LAYOUTS]
                         ),
                     ))
                 }

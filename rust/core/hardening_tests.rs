@@ -363,3 +363,28 @@ fn a_heads_major_page_a_few_bytes_longer_than_its_cells_is_refused() {
         "{text}"
     );
 }
+
+#[test]
+fn hktv_k_rows_a_peer_lies_about_are_refused() {
+    // A peer of HKTV pages sizes every head's parts by its K rows: too many would make millions of rows per
+    // region, a different count would cut the pages at other bytes. Both are refused before any row is built.
+    let case = cases().into_iter().find(|c| c.name.starts_with("gqa HKTV")).unwrap();
+    assert_eq!(case.local.k_rows, 8);
+    let huge = lie(&case, |m| m.k_rows = 1 << 40);
+    match decode(&encode(&huge[0]).unwrap()) {
+        Err(HandshakeError::Invalid(f)) => assert!(
+            f.iter().any(|f| f.check == "k_rows" && f.to_string().contains("1099511627776")),
+            "{f:?}"
+        ),
+        other => panic!("decoded {other:?}"),
+    }
+    assert!(PeerPlan::new(&case.local, &huge, case.mode).is_err());
+    let other = lie(&case, |m| m.k_rows = 4);
+    assert!(checks(&case.local_meta(), &other[0]).contains(&"k_rows".to_string()));
+    let err = PeerPlan::new(&case.local, &other, case.mode).unwrap_err().to_string();
+    assert!(err.contains("K rows of HKTV pages") && err.contains("local 8") && err.contains("remote 4"), "{err}");
+    // HKTV without K rows, or K rows on another layout, is malformed
+    for m in [lie(&case, |m| m.k_rows = 0), lie(&case, |m| m.kv_layout = "HND".into())] {
+        assert!(matches!(decode(&encode(&m[0]).unwrap()), Err(HandshakeError::Invalid(_))));
+    }
+}

@@ -17,6 +17,11 @@ pub enum PageOrder {
     /// Token-major (`[tokens, heads, cell]`): a token range is one contiguous byte range.
     #[serde(rename = "NHD")]
     TokenMajor,
+    /// Heads-major with each head's K stored transposed: a head's page is its K as `[head_size, tokens]` then its
+    /// V as `[tokens, head_size]` (vLLM's CPU attention with its `vec`/`vec16` kernels). A head range is one byte
+    /// range; a token range of one head is `head_size` K runs (one per K element) and one V run.
+    #[serde(rename = "HKTV")]
+    HeadsMajorKTransposed,
 }
 
 impl PageOrder {
@@ -25,13 +30,32 @@ impl PageOrder {
         match self {
             PageOrder::HeadsMajor => "HND",
             PageOrder::TokenMajor => "NHD",
+            PageOrder::HeadsMajorKTransposed => "HKTV",
         }
+    }
+
+    /// Whether a head range of a page is one contiguous byte range (heads outermost).
+    pub fn heads_outermost(self) -> bool {
+        self != PageOrder::TokenMajor
+    }
+
+    /// Whether a tensor showing `shown` may hold pages of this order: the same order, or heads-major for
+    /// [`PageOrder::HeadsMajorKTransposed`] (a tensor's strides show heads before tokens, never the order of the
+    /// elements inside a head's page).
+    pub fn is_shown_as(self, shown: PageOrder) -> bool {
+        self == shown || (self == PageOrder::HeadsMajorKTransposed && shown == PageOrder::HeadsMajor)
     }
 }
 
-/// Every KV-cache layout name an engine may give: FlashInfer's `NHD`/`HND` and vLLM's five-letter stride orders
-/// of `[L, B, H, N, C]` (layers, blocks, heads, tokens, cell).
-pub const KV_LAYOUTS: [&str; 8] = ["HND", "NHD", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "LHBNC", "BHLNC"];
+/// Every KV-cache layout name an engine may give: FlashInfer's `NHD`/`HND`, vLLM's five-letter stride orders
+/// of `[L, B, H, N, C]` (layers, blocks, heads, tokens, cell), and `HKTV` (heads-major with K transposed, vLLM's
+/// CPU attention). The first [`CONTIGUOUS_LAYOUTS`] keep a block's page in one byte range.
+pub const KV_LAYOUTS: [&str; 9] = [
+    "HND", "NHD", "LBHNC", "LBNHC", "BLHNC", "BLNHC", "HKTV", "LHBNC", "BHLNC",
+];
+
+/// How many of [`KV_LAYOUTS`] (the first) keep a block's page in one byte range.
+pub const CONTIGUOUS_LAYOUTS: usize = 7;
 
 /// The page order a KV-cache layout name gives: `Ok(None)` for a known layout whose pages are not one
 /// contiguous byte range per block (`LHBNC`, `BHLNC`: heads outside blocks or layers), which a descriptor
@@ -43,6 +67,7 @@ pub fn page_order_of(name: &str) -> Result<Option<PageOrder>, String> {
     match name {
         "HND" | "LBHNC" | "BLHNC" => Ok(Some(PageOrder::HeadsMajor)),
         "NHD" | "LBNHC" | "BLNHC" => Ok(Some(PageOrder::TokenMajor)),
+        "HKTV" => Ok(Some(PageOrder::HeadsMajorKTransposed)),
         "LHBNC" | "BHLNC" => Ok(None),
         other => Err(format!(
             "unknown KV-cache layout {other:?}; expected one of {KV_LAYOUTS:?}"
@@ -82,7 +107,11 @@ pub fn rank_page_order(declared: Option<&str>, layers: &[LayerOrder<'_>]) -> Res
     for l in layers {
         let Some(order) = l.order else { continue };
         match &seen {
-            Some((o, who)) if *o != order => {
+            // a layer may say more than the declaration (HKTV where it says heads-major), never otherwise
+            Some((o, _)) if order.is_shown_as(*o) && order != *o => {
+                seen = Some((order, format!("layer {}'s tensor", l.name)));
+            }
+            Some((o, who)) if !o.is_shown_as(order) => {
                 return Err(LayoutError::PageLayout(format!(
                     "layer {}: its tensor stores {} pages ({}), but {who} says {} ({})",
                     l.name,
@@ -103,6 +132,7 @@ fn describe(o: PageOrder) -> &'static str {
     match o {
         PageOrder::HeadsMajor => "heads-major",
         PageOrder::TokenMajor => "token-major",
+        PageOrder::HeadsMajorKTransposed => "heads-major with K transposed",
     }
 }
 
@@ -115,6 +145,10 @@ mod tests {
         assert_eq!(page_order_of("LBHNC"), Ok(Some(PageOrder::HeadsMajor)));
         assert_eq!(page_order_of("BLNHC"), Ok(Some(PageOrder::TokenMajor)));
         assert_eq!(page_order_of("LHBNC"), Ok(None));
+        assert_eq!(page_order_of("HKTV"), Ok(Some(PageOrder::HeadsMajorKTransposed)));
+        for (i, name) in KV_LAYOUTS.iter().enumerate() {
+            assert_eq!(page_order_of(name).unwrap().is_some(), i < CONTIGUOUS_LAYOUTS, "{name}");
+        }
         let err = page_order_of("XYZ").unwrap_err();
         assert!(err.starts_with("unknown KV-cache layout \"XYZ\""), "{err}");
     }
@@ -147,5 +181,31 @@ mod tests {
         ];
         let err = rank_page_order(None, &mixed).unwrap_err().to_string();
         assert!(err.starts_with("layer b: its tensor stores token-major"), "{err}");
+    }
+
+    /// Tensors show heads before tokens, never the order inside a head's page: `HKTV` declared over heads-major
+    /// tensors is the rank's order; over token-major ones it is refused.
+    #[test]
+    fn k_transposed_pages_refine_what_heads_major_tensors_show() {
+        let layer = |order| {
+            [LayerOrder {
+                name: "l.0",
+                order: Some(order),
+            }]
+        };
+        let hktv = PageOrder::HeadsMajorKTransposed;
+        assert_eq!(rank_page_order(Some("HKTV"), &layer(PageOrder::HeadsMajor)), Ok(hktv));
+        assert_eq!(rank_page_order(Some("HKTV"), &[]), Ok(hktv));
+        assert_eq!(rank_page_order(Some("LBHNC"), &layer(hktv)), Ok(hktv));
+        let err = rank_page_order(Some("HKTV"), &layer(PageOrder::TokenMajor))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "layer l.0: its tensor stores token-major pages (NHD), but kv_layout \"HKTV\" says heads-major with K \
+             transposed (HKTV)"
+        );
+        let err = rank_page_order(Some("NHD"), &layer(hktv)).unwrap_err().to_string();
+        assert!(err.contains("K transposed pages (HKTV)"), "{err}");
     }
 }

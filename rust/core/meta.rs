@@ -121,6 +121,9 @@ pub struct AgentMeta {
     pub total_num_kv_heads: u64,
     /// KV layout name (`HND`, ...); hybrid-kv pages are heads-major.
     pub kv_layout: String,
+    /// K elements per head of `HKTV` pages (0, and not sent, for every other layout).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub k_rows: u64,
     /// Attention backend name.
     pub attn_backend: String,
     /// Transfer mode.
@@ -198,6 +201,7 @@ impl AgentMeta {
             } else {
                 info.kv_layout.clone()
             },
+            k_rows: table.k_rows,
             attn_backend: info.attn_backend.clone(),
             transfer_mode: info.transfer_mode,
             compat_hash: info.compat_hash.clone(),

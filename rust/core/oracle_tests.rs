@@ -47,8 +47,9 @@ impl Mem {
 
 /// Byte layout of one group on one rank, from the model alone.
 enum Kind {
-    /// `(heads on this rank, first global head, cell bytes)`; MLA has one head, global index 0.
-    Attn(u64, u64, u64),
+    /// `(heads on this rank, first global head, cell bytes, element bytes)`; MLA has one head, global index 0,
+    /// and element bytes 0 (its latents are never K-transposed).
+    Attn(u64, u64, u64, u64),
     /// `(sub-projections: (offset, local channels, first global channel, bytes per channel), temporal (offset,
     /// local rows, first global row, bytes per row))`.
     Ssm(Vec<(u64, u64, u64, u64)>, (u64, u64, u64, u64)),
@@ -56,7 +57,7 @@ enum Kind {
 
 fn kind(g: &Group, tp: u64, rank: u64) -> Kind {
     match g {
-        Group::Mla { head_size, dtype_bytes } => Kind::Attn(1, 0, head_size * dtype_bytes),
+        Group::Mla { head_size, dtype_bytes } => Kind::Attn(1, 0, head_size * dtype_bytes, 0),
         Group::Attention {
             num_kv_heads: k,
             head_size,
@@ -65,9 +66,9 @@ fn kind(g: &Group, tp: u64, rank: u64) -> Kind {
         } => {
             let cell = (head_size + head_size_v.unwrap_or(*head_size)) * dtype_bytes;
             if tp <= *k {
-                Kind::Attn(k / tp, rank * k / tp, cell)
+                Kind::Attn(k / tp, rank * k / tp, cell, *dtype_bytes)
             } else {
-                Kind::Attn(1, rank * k / tp, cell)
+                Kind::Attn(1, rank * k / tp, cell, *dtype_bytes)
             }
         }
         Group::Ssm {
@@ -111,6 +112,11 @@ fn token_major(e: &Engine) -> bool {
         .is_some_and(|l| super::kv_layout::page_order_of(l) == Ok(Some(super::kv_layout::PageOrder::TokenMajor)))
 }
 
+/// Whether the engine's attention pages are heads-major with K transposed (`HKTV`).
+fn k_transposed(e: &Engine) -> bool {
+    e.kv_layout.as_deref() == Some("HKTV")
+}
+
 /// Write `f(byte offset in tensor, key)` for every byte of request block `b` (list position `pos`) of group `g`.
 #[allow(clippy::too_many_arguments)]
 fn visit(
@@ -125,19 +131,27 @@ fn visit(
     f: &mut dyn FnMut(u64, u8),
 ) {
     match k {
-        Kind::Attn(heads, h0, cell) => {
-            let kpage = e.kernel_block_size * heads * cell;
+        Kind::Attn(heads, h0, cell, elem) => {
+            let kb = e.kernel_block_size;
+            let kpage = kb * heads * cell;
+            let hktv = k_transposed(e) && *elem > 0;
             for t in 0..tokens.min(e.logical_block_size) {
                 let (j, tt) = (t / e.kernel_block_size, t % e.kernel_block_size);
                 for h in 0..*heads {
                     for c in 0..*cell {
-                        // docs/byte-layouts.md: heads-major `[heads, tokens, cell]` or token-major `[tokens, heads, cell]`
-                        let cell_at = if token_major(e) {
-                            tt * heads * cell + h * cell
+                        // docs/byte-layouts.md: heads-major `[heads, tokens, cell]` or token-major `[tokens, heads, cell]`;
+                        // HKTV: each head's K as `[elements, tokens]`, then its V as `[tokens, elements]`
+                        let half = cell / 2;
+                        let at = if token_major(e) {
+                            tt * heads * cell + h * cell + c
+                        } else if hktv && c < half {
+                            h * kb * cell + (c / elem) * kb * elem + tt * elem + c % elem
+                        } else if hktv {
+                            h * kb * cell + kb * half + tt * half + (c - half)
                         } else {
-                            h * e.kernel_block_size * cell + tt * cell
+                            h * kb * cell + tt * cell + c
                         };
-                        let off = b * page + j * kpage + cell_at + c;
+                        let off = b * page + j * kpage + at;
                         f(off, key(&[head, &[1, token0 + t, h0 + h, c]].concat()));
                     }
                 }
@@ -335,7 +349,7 @@ fn simulate(s: &Scenario) -> bool {
 }
 
 /// Model families of the oracle.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Family {
     HybridMla,
     GqaSsm,
@@ -378,16 +392,26 @@ fn layer(name: String, group: u32) -> TensorLayer {
     }
 }
 
-fn model(f: Family, heads: u64) -> Model {
+/// The family's model; `equal_kv`: K and V heads of one size (2-byte elements, as `HKTV` pages need).
+fn model(f: Family, heads: u64, equal_kv: bool) -> Model {
     let mla = Group::Mla {
         head_size: 4,
         dtype_bytes: 2,
     };
-    let attn = Group::Attention {
-        num_kv_heads: heads,
-        head_size: 1,
-        head_size_v: Some(2),
-        dtype_bytes: 1,
+    let attn = if equal_kv {
+        Group::Attention {
+            num_kv_heads: heads,
+            head_size: 3,
+            head_size_v: None,
+            dtype_bytes: 2,
+        }
+    } else {
+        Group::Attention {
+            num_kv_heads: heads,
+            head_size: 1,
+            head_size_v: Some(2),
+            dtype_bytes: 1,
+        }
     };
     let (groups, tensors): (Vec<Group>, Vec<Vec<TensorLayer>>) = match f {
         Family::HybridMla => (
@@ -473,7 +497,7 @@ prop_compose! {
         extra_ppl in (0u64..2, 0u64..2),
         push in any::<bool>(),
         contiguous in any::<bool>(),
-        layouts in prop::sample::select(vec![(None, None), (Some("LBHNC"), Some("HND")), (Some("NHD"), Some("LBNHC")), (Some("BLNHC"), Some("NHD"))]),
+        layouts in prop::sample::select(vec![(None, None), (Some("LBHNC"), Some("HND")), (Some("NHD"), Some("LBNHC")), (Some("BLNHC"), Some("NHD")), (Some("HKTV"), Some("HKTV"))]),
         seed in any::<u64>(),
     ) -> Scenario {
         let (ptp, dtp) = tps;
@@ -491,7 +515,10 @@ prop_compose! {
             dl = dl.max(pl);
             pl = dl; // same logical size: prefix hits possible
         }
-        let m = model(fam, heads);
+        // HKTV pages hold K and V of one head size (K and V apart in tensors of their own are never HKTV)
+        let hktv = layouts.0 == Some("HKTV");
+        let layouts = if hktv && fam == Family::KvApart { (None, None) } else { layouts };
+        let m = model(fam, heads, hktv);
         let mut counts = Vec::new();
         for _ in 0..1 + next(2) {
             let tokens = 1 + next(3 * pl.max(dl));
@@ -567,7 +594,7 @@ fn oracle_contiguous_requests_use_chunks() {
     for fam in [Family::PureMla, Family::PureGqa] {
         for (ptp, dtp) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)] {
             for mode in [TransferMode::Pull, TransferMode::Push] {
-                let m = model(fam, 2);
+                let m = model(fam, 2, false);
                 let n = m.groups.len();
                 // GQA kernels equal: chunk descriptors need whole units (per-head pieces take none).
                 let dk = if matches!(fam, Family::PureMla) { 2 } else { 4 };
@@ -611,7 +638,7 @@ fn oracle_hybrid_mla_tp_grid() {
     for ptp in [1, 2, 4, 8] {
         for dtp in [1, 2, 4, 8] {
             for mode in [TransferMode::Pull, TransferMode::Push] {
-                let m = model(Family::HybridMla, 1);
+                let m = model(Family::HybridMla, 1, false);
                 let req = Request {
                     id: "r".into(),
                     prefill: vec![vec![1, 3], vec![4], vec![0]],
@@ -653,7 +680,7 @@ fn oracle_token_major_pages_of_different_block_sizes() {
     for (pk, dk) in [(8u64, 4u64), (4, 8), (4, 6)] {
         for tp in [1u32, 2] {
             for mode in [TransferMode::Pull, TransferMode::Push] {
-                let m = model(Family::PureGqa, 4);
+                let m = model(Family::PureGqa, 4, false);
                 let req = Request {
                     id: "r".into(),
                     prefill: vec![vec![3, 1, 4], vec![0, 2, 5]],
@@ -700,16 +727,19 @@ fn oracle_token_major_pages_of_different_block_sizes() {
 #[test]
 fn oracle_heads_major_pages_of_different_block_sizes() {
     let tps = [(1u32, 1u32), (2, 1), (1, 2), (2, 4), (4, 2), (1, 4), (8, 2)];
-    for (fam, heads) in [
-        (Family::PureGqa, 8u64),
-        (Family::GqaSsm, 8),
-        (Family::KvApart, 4),
-        (Family::PureGqa, 2),
+    for (fam, heads, layouts) in [
+        (Family::PureGqa, 8u64, (Some("LBHNC"), None)),
+        (Family::GqaSsm, 8, (Some("LBHNC"), None)),
+        (Family::KvApart, 4, (Some("LBHNC"), None)),
+        (Family::PureGqa, 2, (Some("LBHNC"), None)),
+        (Family::PureGqa, 2, (Some("HKTV"), Some("HKTV"))),
+        (Family::PureGqa, 1, (Some("HKTV"), Some("HKTV"))),
+        (Family::GqaSsm, 4, (Some("HKTV"), Some("HKTV"))),
     ] {
         for (pk, dk) in [(8u64, 4u64), (4, 8), (4, 6)] {
             for (ptp, dtp) in tps {
                 for mode in [TransferMode::Pull, TransferMode::Push] {
-                    let m = model(fam, heads);
+                    let m = model(fam, heads, layouts.0 == Some("HKTV"));
                     let n = m.groups.len();
                     let ssm = |g: usize| matches!(m.groups[g], Group::Ssm { .. });
                     // SSM states in blocks of their own (the tensors are shared with the attention pages)
@@ -729,11 +759,11 @@ fn oracle_heads_major_pages_of_different_block_sizes() {
                     };
                     let s = Scenario {
                         name: Some(format!(
-                            "{fam:?} {heads} heads, P TP {ptp} k {pk} -> D TP {dtp} k {dk}, {mode:?}"
+                            "{fam:?} {heads} heads, P TP {ptp} k {pk} -> D TP {dtp} k {dk}, {mode:?}, {layouts:?}"
                         )),
                         model: m,
-                        prefill: engine(ptp, pk, Some("LBHNC")),
-                        decode: engine(dtp, dk, None),
+                        prefill: engine(ptp, pk, layouts.0),
+                        decode: engine(dtp, dk, layouts.1),
                         mode,
                         requests: vec![req],
                     };

@@ -133,6 +133,9 @@ pub struct RegionTable {
     /// Order of the (head, token) cells in this rank's attention pages (from its tensors or its `kv_layout`).
     #[serde(default)]
     pub page_order: PageOrder,
+    /// K elements per head of `HKTV` pages (the rows of each head's transposed K); 0 for every other order.
+    #[serde(default)]
+    pub k_rows: u64,
     /// This rank's TP index.
     pub tp_rank: u32,
     /// TP size.
@@ -302,6 +305,42 @@ fn group_kinds(layers: &[&LayerInput]) -> Result<Vec<GroupKind>, LayoutError> {
         .collect()
 }
 
+/// Most K rows (elements per head) an `HKTV` page may have: each is one descriptor per head and token unit.
+pub const MAX_K_ROWS: u64 = 1024;
+
+/// The K rows of `HKTV` pages: the one K head size every (non-MLA) attention layer has, whose V head size must be
+/// the same (a head's page is its K then its V, each `head_size` elements per token); 0 for other orders.
+fn k_transposed_rows(order: PageOrder, layers: &[&LayerInput]) -> Result<u64, LayoutError> {
+    if order != PageOrder::HeadsMajorKTransposed {
+        return Ok(0);
+    }
+    let mut rows: Option<(u64, &str)> = None;
+    for l in layers {
+        let (LayerSpec::FullAttention(a) | LayerSpec::SlidingWindow(a)) = &l.spec else {
+            continue;
+        };
+        let v = a.head_size_v.unwrap_or(a.head_size);
+        if v != a.head_size || a.head_size == 0 || a.head_size > MAX_K_ROWS || a.page_size_padded.is_some() {
+            return Err(LayoutError::PageLayout(format!(
+                "layer {}: HKTV pages need K and V of one head size of at most {MAX_K_ROWS} elements and no page \
+                 padding (head_size {}, head_size_v {v}, page_size_padded {:?})",
+                l.name, a.head_size, a.page_size_padded
+            )));
+        }
+        match rows {
+            Some((r, first)) if r != a.head_size => {
+                return Err(LayoutError::PageLayout(format!(
+                    "layer {}: HKTV pages need one head size on the rank: {} here, {r} on layer {first}",
+                    l.name, a.head_size
+                )))
+            }
+            Some(_) => {}
+            None => rows = Some((a.head_size, &l.name)),
+        }
+    }
+    Ok(rows.map_or(0, |(r, _)| r))
+}
+
 impl RegionTable {
     /// Build the region table of one rank.
     ///
@@ -334,6 +373,7 @@ impl RegionTable {
             })
             .collect();
         let page_order = rank_page_order(layout.kv_layout.as_deref(), &orders)?;
+        let k_rows = k_transposed_rows(page_order, &layers)?;
         let first = layers[0];
         let (device, mem_type) = (first.memory.device, first.memory.mem_type);
 
@@ -481,6 +521,7 @@ impl RegionTable {
             use_mla,
             total_num_kv_heads: if use_mla { 1 } else { layout.total_num_kv_heads.max(1) },
             page_order,
+            k_rows,
             tp_rank: layout.tp_rank,
             tp_size: layout.tp_size,
             device,

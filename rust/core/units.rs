@@ -27,6 +27,9 @@ pub struct BlockUnits {
     /// the heads a rank pair exchanges per unit (the smaller side's heads per rank), every unit then being one
     /// descriptor per head. `None`: a unit is one descriptor (a token range, or a whole page).
     pub per_head: Option<u64>,
+    /// Descriptors per head and unit when cut per head: 1, or for `HKTV` pages the K rows (one run each) and the
+    /// V run.
+    pub parts: u64,
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -58,6 +61,7 @@ impl BlockUnits {
             local_sub: local_kernel / unit,
             remote_sub: remote_kernel / unit,
             per_head: None,
+            parts: 1,
         };
         if units.local_sub.max(units.remote_sub) > MAX_UNITS_PER_BLOCK {
             return Err(bad());
@@ -86,6 +90,7 @@ impl BlockUnits {
             local_sub: local_kernel,
             remote_sub: remote_kernel,
             per_head: None,
+            parts: 1,
         })
     }
 
@@ -93,16 +98,37 @@ impl BlockUnits {
     /// TP sizes (`heads` per rank differ), else the common unit of the two kernel blocks, cut per head when
     /// heads-major pages of several heads per rank are cut at all.
     ///
-    /// `gqa_order` is the page order of the model's (non-MLA) attention pages, `None` without any.
+    /// `gqa_order` is the page order of the model's (non-MLA) attention pages, `None` without any; `k_rows` the
+    /// K elements per head of `HKTV` pages, whose units are always cut per head (even one head: its K is not one
+    /// range).
     ///
     /// # Errors
-    /// As [`BlockUnits::new`] and [`BlockUnits::per_token`].
+    /// As [`BlockUnits::new`] and [`BlockUnits::per_token`]; `Mismatch` for `HKTV` pages cut with no K rows.
     pub fn for_pages(
         (local_kernel, remote_kernel): (u64, u64),
         gqa_order: Option<PageOrder>,
         (local_heads, remote_heads): (u64, u64),
+        k_rows: u64,
     ) -> Result<BlockUnits, PlanError> {
         match gqa_order {
+            Some(PageOrder::HeadsMajorKTransposed) => {
+                let units = BlockUnits::new(local_kernel, remote_kernel)?;
+                if units.is_identity() {
+                    return Ok(units);
+                }
+                if k_rows == 0 {
+                    return Err(PlanError::Mismatch {
+                        what: "K rows of HKTV pages cut into token units".into(),
+                        local: k_rows.to_string(),
+                        remote: "at least 1".into(),
+                    });
+                }
+                Ok(BlockUnits {
+                    per_head: Some(local_heads.min(remote_heads)),
+                    parts: k_rows.saturating_add(1),
+                    ..units
+                })
+            }
             Some(PageOrder::TokenMajor) if local_heads != remote_heads => {
                 BlockUnits::per_token(local_kernel, remote_kernel)
             }
@@ -122,14 +148,19 @@ impl BlockUnits {
         self.local_sub == 1 && self.remote_sub == 1
     }
 
-    /// Descriptors per local kernel block: its units, times the heads exchanged when cut per head.
+    /// Descriptors per unit: the heads exchanged times each head's parts when cut per head, else 1.
+    pub fn per_unit(&self) -> u64 {
+        self.per_head.map_or(1, |hp| hp.saturating_mul(self.parts))
+    }
+
+    /// Descriptors per local kernel block: its units, times the descriptors of each.
     pub fn local_pieces(&self) -> u64 {
-        self.local_sub.saturating_mul(self.per_head.unwrap_or(1))
+        self.local_sub.saturating_mul(self.per_unit())
     }
 
     /// Descriptors per remote kernel block (as [`BlockUnits::local_pieces`]).
     pub fn remote_pieces(&self) -> u64 {
-        self.remote_sub.saturating_mul(self.per_head.unwrap_or(1))
+        self.remote_sub.saturating_mul(self.per_unit())
     }
 }
 
@@ -145,7 +176,8 @@ mod tests {
                 unit_tokens: 4,
                 local_sub: 4,
                 remote_sub: 1,
-                per_head: None
+                per_head: None,
+                parts: 1
             }
         );
         assert_eq!(
@@ -154,7 +186,8 @@ mod tests {
                 unit_tokens: 4,
                 local_sub: 1,
                 remote_sub: 4,
-                per_head: None
+                per_head: None,
+                parts: 1
             }
         );
         assert_eq!(
@@ -163,11 +196,34 @@ mod tests {
                 unit_tokens: 4,
                 local_sub: 3,
                 remote_sub: 2,
-                per_head: None
+                per_head: None,
+                parts: 1
             }
         );
         assert!(BlockUnits::new(64, 64).unwrap().is_identity());
         let err = BlockUnits::new(257, 256).unwrap_err().to_string();
         assert!(err.contains("local 257") && err.contains("remote 256"), "{err}");
+    }
+
+    /// `HKTV` pages: whole pages stay whole; cut pages are cut per head (one head too) into K rows + 1 parts.
+    #[test]
+    fn k_transposed_units_are_cut_per_head_into_parts() {
+        let hktv = Some(PageOrder::HeadsMajorKTransposed);
+        let whole = BlockUnits::for_pages((64, 64), hktv, (2, 1), 64).unwrap();
+        assert_eq!((whole.per_head, whole.per_unit()), (None, 1));
+        let cut = BlockUnits::for_pages((128, 64), hktv, (1, 1), 64).unwrap();
+        assert_eq!(
+            (cut.local_sub, cut.per_head, cut.parts, cut.per_unit()),
+            (2, Some(1), 65, 65)
+        );
+        assert_eq!((cut.local_pieces(), cut.remote_pieces()), (130, 65));
+        let cut = BlockUnits::for_pages((64, 128), hktv, (2, 4), 8).unwrap();
+        assert_eq!((cut.per_head, cut.per_unit(), cut.remote_pieces()), (Some(2), 18, 36));
+        let err = BlockUnits::for_pages((64, 128), hktv, (2, 2), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("K rows"), "{err}");
+        let hnd = BlockUnits::for_pages((128, 64), Some(PageOrder::HeadsMajor), (1, 1), 0).unwrap();
+        assert_eq!((hnd.per_head, hnd.per_unit()), (None, 1));
     }
 }

@@ -21,7 +21,7 @@ use crate::core::tp::tp_ratio;
 use crate::core::units::BlockUnits;
 
 /// Layouts whose pages are heads-major (heads, tokens, cell): a head range is contiguous.
-pub const HEAD_CONTIGUOUS_LAYOUTS: [&str; 3] = ["HND", "LBHNC", "BLHNC"];
+pub const HEAD_CONTIGUOUS_LAYOUTS: [&str; 4] = ["HND", "LBHNC", "BLHNC", "HKTV"];
 
 /// The page order of a well-formed metadata (structure findings ran first: a known, contiguous layout).
 fn order(m: &AgentMeta) -> PageOrder {
@@ -280,6 +280,14 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, overlapping: bool, add: &mut A
         rk.total_num_kv_heads.to_string(),
         "",
     );
+    if local.k_rows != remote.k_rows {
+        diff(
+            "k_rows",
+            local.k_rows.to_string(),
+            remote.k_rows.to_string(),
+            "HKTV pages must hold K heads of the same elements on both sides",
+        );
+    }
     if !local.use_mla && local.groups.contains(&GroupKind::Attention) && order(local) != order(remote) {
         add(
             "kv_layout",
@@ -346,14 +354,10 @@ fn block_units(local: &AgentMeta, remote: &AgentMeta, add: &mut Add<'_>) -> Opti
     let (lk, rk) = (local.kernel_block_size, remote.kernel_block_size);
     let (lh, rh) = (GeometryKey::local_heads(local), GeometryKey::local_heads(remote));
     let has_gqa = local.groups.contains(&GroupKind::Attention);
-    // Both sides' page orders must agree (checked beside this); token-major only when both are.
-    let token_major = order(local) == PageOrder::TokenMajor && order(remote) == PageOrder::TokenMajor;
-    let gqa_order = has_gqa.then_some(if token_major {
-        PageOrder::TokenMajor
-    } else {
-        PageOrder::HeadsMajor
-    });
-    match BlockUnits::for_pages((lk, rk), gqa_order, (lh, rh)) {
+    // Both sides' page orders must agree (checked beside this); token-major or K-transposed only when both are.
+    let same = order(local) == order(remote);
+    let gqa_order = has_gqa.then_some(if same { order(local) } else { PageOrder::HeadsMajor });
+    match BlockUnits::for_pages((lk, rk), gqa_order, (lh, rh), local.k_rows) {
         Ok(u) => Some(u),
         Err(e) => {
             add(

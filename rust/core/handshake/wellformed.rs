@@ -12,9 +12,9 @@
 
 use super::error::Finding;
 use crate::core::alias::tensor_extents;
-use crate::core::kv_layout::page_order_of;
+use crate::core::kv_layout::{page_order_of, PageOrder};
 use crate::core::meta::AgentMeta;
-use crate::core::region::GroupKind;
+use crate::core::region::{GroupKind, MAX_K_ROWS};
 use crate::core::spec::{ConvLayout, StatePart, MAX_CONV_PROJS, MAX_CONV_ROWS};
 use crate::core::tp::MAX_TP_SIZE;
 
@@ -51,6 +51,17 @@ pub fn structure_findings(m: &AgentMeta) -> Vec<Finding> {
             "kv_layout",
             format!("{:?}", m.kv_layout),
             "attention pages must be one contiguous range per block (L and B axes outermost)".into(),
+        );
+    }
+    let hktv = m.page_order() == Some(PageOrder::HeadsMajorKTransposed);
+    if (hktv && m.groups.contains(&GroupKind::Attention) && m.k_rows == 0)
+        || m.k_rows > MAX_K_ROWS
+        || (!hktv && m.k_rows != 0)
+    {
+        bad(
+            "k_rows",
+            m.k_rows.to_string(),
+            format!("HKTV attention pages need 1 to {MAX_K_ROWS} K rows; other layouts none"),
         );
     }
     if m.tp_size > MAX_TP_SIZE {

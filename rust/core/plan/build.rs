@@ -85,7 +85,7 @@ impl PeerPlan {
             heads_per_rank(mapping.total_kv_heads, first.tp_size),
         );
         let kernels = (local.geometry.kernel_block_size, first.kernel_block_size);
-        let units = BlockUnits::for_pages(kernels, gqa_order, heads)?;
+        let units = BlockUnits::for_pages(kernels, gqa_order, heads, local.k_rows)?;
         check_remote_size(local, first, units, &mapping)?;
         let mut remote_tables = build_remote_tables(local, remotes, &mapping, units)?;
         let base = build_base_table(local, units, heads.0)?;
@@ -294,7 +294,7 @@ fn id_spaces(
         l_num_fa,
         &local.ssm_row_counts(),
         geo.ppl,
-        (units.local_sub, units.per_head.unwrap_or(1)),
+        (units.local_sub, units.per_unit()),
         geo.logical_block_size,
         geo.num_logical_blocks,
         region_groups,
@@ -305,7 +305,7 @@ fn id_spaces(
         r_num_fa,
         &r_rows,
         first.ppl,
-        (units.remote_sub, units.per_head.unwrap_or(1)),
+        (units.remote_sub, units.per_unit()),
         first.logical_block_size,
         first.num_logical_blocks,
         region_groups,

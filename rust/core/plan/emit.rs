@@ -32,7 +32,8 @@ pub(crate) struct Slots {
     group_layouts: Vec<Vec<usize>>,
     /// Per group: how many of its slots are coalesced and how many take one id per unit (or state).
     slot_counts: Vec<(usize, usize)>,
-    /// Units cut per head: `(local units, remote units)` per kernel block and the heads of each unit.
+    /// Units cut per head: `(local units, remote units)` per kernel block and the descriptors of each unit (its
+    /// heads, times each head's parts).
     per_head: Option<((u64, u64), u64)>,
     /// Units cut per head: the distinct `(local, remote)` kernel-block counts of the regions (one, unless pools
     /// differ in size), by which piece ids are laid out.
@@ -164,7 +165,9 @@ impl Slots {
             layouts,
             group_layouts,
             slot_counts,
-            per_head: units.per_head.map(|hp| ((units.local_sub, units.remote_sub), hp)),
+            per_head: units
+                .per_head
+                .map(|_| ((units.local_sub, units.remote_sub), units.per_unit())),
             piece_layouts,
         }
     }

@@ -33,23 +33,44 @@ pub(super) struct Pages<'a> {
 }
 
 /// The rows of a region's pieces: heads `[first, first + hp)` of every kernel block of `heads` heads, each cut
-/// into `sub` units, in id order (one row per head and unit, one descriptor per kernel block).
+/// into `sub` units, in id order (one row per head, part and unit, one descriptor per kernel block). A head's
+/// unit is one part, or for `HKTV` pages (`k_rows` > 0: K stored `[k_rows, tokens]`, then V `[tokens, k_rows]`)
+/// `k_rows` K runs and one V run: part `q` of unit `j` lies at `q * k_row + j * k_row / sub` for `q < k_rows`, at
+/// `half + j * half / sub` for the V run, `half` being the head's K (and V) bytes and `k_row` one K element's.
 ///
 /// # Errors
-/// `Indivisible` when a page does not split into heads and units evenly, `Mismatch` when the heads asked for
-/// are not on the page, `AddressOverflow` when a piece's address wraps.
+/// `Indivisible` when a page does not split into heads, parts and units evenly, `Mismatch` when the heads asked
+/// for are not on the page, `AddressOverflow` when a piece's address wraps.
 pub(super) fn piece_rows(
     p: Pages<'_>,
     heads: u64,
     (first, hp): (u64, u64),
     sub: u64,
+    k_rows: u64,
 ) -> Result<Vec<StridedRow>, PlanError> {
     let head_bytes = exact_div(
         || format!("kernel page of region {} per head", p.name),
         p.block_len,
         heads,
     )?;
-    let piece = exact_div(|| format!("head page of region {} per unit", p.name), head_bytes, sub)?;
+    // (offset in the head's page of unit 0, bytes between units, bytes) of each part
+    let parts: Vec<(u64, u64, u64)> = if k_rows == 0 {
+        let piece = exact_div(|| format!("head page of region {} per unit", p.name), head_bytes, sub)?;
+        vec![(0, piece, piece)]
+    } else {
+        let half = exact_div(
+            || format!("HKTV head page of region {} into K and V", p.name),
+            head_bytes,
+            2,
+        )?;
+        let k_row = exact_div(|| format!("HKTV K of region {} per K row", p.name), half, k_rows)?;
+        let k_piece = exact_div(|| format!("HKTV K row of region {} per unit", p.name), k_row, sub)?;
+        let v_piece = exact_div(|| format!("HKTV V of region {} per unit", p.name), half, sub)?;
+        (0..k_rows)
+            .map(|q| (q * k_row, k_piece, k_piece))
+            .chain([(half, v_piece, v_piece)])
+            .collect()
+    };
     if first.checked_add(hp).is_none_or(|end| end > heads) {
         return Err(PlanError::Mismatch {
             what: format!(
@@ -65,20 +86,50 @@ pub(super) fn piece_rows(
         addr: p.base,
         len: first.saturating_add(hp).saturating_mul(head_bytes),
     };
+    let parts = &parts;
     (first..first + hp)
-        .flat_map(|h| (0..sub).map(move |j| (h, j)))
-        .map(|(h, j)| {
-            // inside the page: (h, j) < (heads, sub), so the offset is below `block_len`
-            let addr = p.base.checked_add(h * head_bytes + j * piece).ok_or_else(overflow)?;
+        .flat_map(|h| parts.iter().flat_map(move |&part| (0..sub).map(move |j| (h, part, j))))
+        .map(|(h, (offset, step, len), j)| {
+            // inside the page: (h, part, j) < (heads, parts, sub), so the offset is below `block_len`
+            let addr = p
+                .base
+                .checked_add(h * head_bytes + offset + j * step)
+                .ok_or_else(overflow)?;
             Ok(StridedRow {
                 addr,
-                len: piece,
+                len,
                 device: p.device,
                 stride: p.block_stride,
                 count: p.num_blocks,
             })
         })
         .collect()
+}
+
+/// The rows of a region no piece addresses (it holds no attention): its pages cut into `count` descriptors, so
+/// that every region has as many descriptors per kernel block (the last `block_len % count` bytes of a page in
+/// none of them).
+///
+/// # Errors
+/// `Indivisible` when a page is shorter than `count` bytes.
+pub(super) fn filler_rows(p: Pages<'_>, count: u64) -> Result<Vec<StridedRow>, PlanError> {
+    let len = p.block_len / count.max(1);
+    if len == 0 {
+        exact_div(
+            || format!("kernel page of region {} per descriptor", p.name),
+            p.block_len,
+            count,
+        )?;
+    }
+    Ok((0..count)
+        .map(|j| StridedRow {
+            addr: p.base + j * len, // inside the page
+            len,
+            device: p.device,
+            stride: p.block_stride,
+            count: p.num_blocks,
+        })
+        .collect())
 }
 
 /// The local table cut into per-head pieces for the heads of remote slot `slot` (slot 0 holds heads `[0, hp)`):
@@ -108,14 +159,28 @@ pub(super) fn local_piece_table(
         };
         let first = slot.saturating_mul(hp);
         rows.extend(if hosts_attention(r.group, &local.groups) {
-            piece_rows(pages, heads, (first, hp), units.local_sub)?
+            piece_rows(pages, heads, (first, hp), units.local_sub, k_rows_of(r.is_mla, units)?)?
         } else {
-            piece_rows(pages, 1, (0, 1), units.local_pieces())?
+            filler_rows(pages, units.local_pieces())?
         });
         num_fa += r.num_blocks * units.local_pieces();
     }
     rows.extend(local.ssm_rows(dev));
     Ok(DescTable::new(rows, num_fa))
+}
+
+/// The K rows a region's heads are cut into: `HKTV` pages' (`units.parts - 1`), 0 for one part per head.
+///
+/// # Errors
+/// `NotSupported` for an MLA region on a rank whose pages are cut into K rows (one latent per token, no heads).
+pub(super) fn k_rows_of(is_mla: bool, units: BlockUnits) -> Result<u64, PlanError> {
+    match units.parts.saturating_sub(1) {
+        0 => Ok(0),
+        _ if is_mla => Err(PlanError::NotSupported(
+            "MLA regions beside HKTV attention pages cut into token units".into(),
+        )),
+        k_rows => Ok(k_rows),
+    }
 }
 
 /// A request's piece ids of one side relative to a region of `blocks` kernel blocks: head by head, each head's
@@ -158,7 +223,7 @@ mod tests {
         for stride in [32u64, 40] {
             for (first, hp) in [(0u64, 4u64), (2, 2), (1, 1)] {
                 for sub in [1u64, 2, 4] {
-                    let got = flat(&piece_rows(pages(stride), 4, (first, hp), sub).unwrap());
+                    let got = flat(&piece_rows(pages(stride), 4, (first, hp), sub, 0).unwrap());
                     let piece = 8 / sub;
                     assert_eq!(got.len() as u64, 3 * hp * sub);
                     for (k, h, j) in (0..3).flat_map(|k| (0..hp).flat_map(move |h| (0..sub).map(move |j| (k, h, j)))) {
@@ -172,10 +237,68 @@ mod tests {
                 }
             }
         }
-        let err = piece_rows(pages(32), 4, (3, 2), 1).unwrap_err().to_string();
+        let err = piece_rows(pages(32), 4, (3, 2), 1, 0).unwrap_err().to_string();
         assert!(err.contains("(3, 2)") && err.contains("remote 4"), "{err}");
-        let err = piece_rows(pages(32), 3, (0, 1), 1).unwrap_err().to_string();
+        let err = piece_rows(pages(32), 3, (0, 1), 1, 0).unwrap_err().to_string();
         assert!(err.contains("32") && err.contains('3'), "{err}");
+    }
+
+    /// `HKTV` pieces of a `[2 heads, (K [3 rows, 4 tokens], V [4 tokens, 3]), 1 byte]` page: part `q` of unit
+    /// `j` of head `h` in kernel block `k` has the row `((h * 4 + q) * sub + j)` and holds exactly the bytes of
+    /// those tokens' K element `q` (or their V).
+    #[test]
+    fn k_transposed_pieces_hold_their_tokens() {
+        let (tokens, rows, heads) = (4u64, 3u64, 2u64);
+        let head_bytes = 2 * tokens * rows;
+        let pages = Pages {
+            name: "l",
+            base: 0,
+            block_len: heads * head_bytes,
+            block_stride: heads * head_bytes + 8,
+            num_blocks: 2,
+            device: 0,
+        };
+        // the byte at `addr` of the page model: (block, head, K element or V, token, V element)
+        let cell = |addr: u64| {
+            let (k, off) = (addr / pages.block_stride, addr % pages.block_stride);
+            let (h, off) = (off / head_bytes, off % head_bytes);
+            if off < tokens * rows {
+                (k, h, Some(off / tokens), off % tokens, 0)
+            } else {
+                let off = off - tokens * rows;
+                (k, h, None, off / rows, off % rows)
+            }
+        };
+        for sub in [1u64, 2, 4] {
+            let u = tokens / sub;
+            let got = flat(&piece_rows(pages, heads, (1, 1), sub, rows).unwrap());
+            assert_eq!(got.len() as u64, 2 * (rows + 1) * sub);
+            for (i, &(addr, len)) in got.iter().enumerate() {
+                let (row, k) = (i as u64 / 2, i as u64 % 2);
+                let (q, j) = (row / sub, row % sub);
+                let want_len = if q < rows { u } else { u * rows };
+                assert_eq!(len, want_len, "sub {sub} piece {i}");
+                for b in addr..addr + len {
+                    let (bk, bh, bq, t, _) = cell(b);
+                    assert_eq!((bk, bh), (k, 1), "sub {sub} piece {i} byte {b}");
+                    assert_eq!(bq, (q < rows).then_some(q), "sub {sub} piece {i} byte {b}");
+                    assert_eq!(t / u, j, "sub {sub} piece {i} byte {b}: token {t}");
+                }
+            }
+        }
+        let err = piece_rows(
+            Pages {
+                block_len: 2 * 25,
+                ..pages
+            },
+            2,
+            (0, 1),
+            1,
+            3,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("HKTV"), "{err}");
     }
 
     #[test]

@@ -70,6 +70,7 @@ pub fn table_of(meta: &AgentMeta) -> Result<RegionTable, PlanError> {
         use_mla: meta.use_mla,
         total_num_kv_heads: meta.total_num_kv_heads,
         page_order: meta.page_order().unwrap_or_default(),
+        k_rows: meta.k_rows,
         tp_rank: meta.tp_rank,
         tp_size: meta.tp_size,
         device: meta.device_id,

@@ -7,7 +7,7 @@
 //! rank's channel / dim-0 share of a larger remote state, or the whole smaller remote share.
 
 use super::error::{exact_div, mismatch, PlanError};
-use super::heads::{piece_rows, Pages};
+use super::heads::{filler_rows, k_rows_of, piece_rows, Pages};
 use crate::core::alias::alias_roots;
 use crate::core::descs::{DescTable, StridedRow};
 use crate::core::kv_layout::PageOrder;
@@ -139,7 +139,7 @@ pub fn remote_table(
                 device: dev,
             };
             rows.extend(if !hosts_attention(lr.group, &local.groups) {
-                piece_rows(pages, 1, (0, 1), units.remote_pieces())?
+                filler_rows(pages, units.remote_pieces())?
             } else {
                 check_cells(local, remote, (lr, rr), (heads_l, heads_r))?;
                 // A local rank holding fewer heads reads (or writes) its slice of the remote page.
@@ -148,7 +148,13 @@ pub fn remote_table(
                 } else {
                     0
                 };
-                piece_rows(pages, heads_r, (first, hp), units.remote_sub)?
+                piece_rows(
+                    pages,
+                    heads_r,
+                    (first, hp),
+                    units.remote_sub,
+                    k_rows_of(rr.is_mla, units)?,
+                )?
             });
             num_fa += rr.num_blocks * units.remote_pieces();
             continue;
@@ -309,6 +315,9 @@ fn check_regions(local: &RegionTable, remote: &AgentMeta) -> Result<(), PlanErro
             local.page_order.name(),
             &remote.kv_layout,
         ));
+    }
+    if local.k_rows != remote.k_rows {
+        return Err(mismatch("K rows of HKTV pages", local.k_rows, remote.k_rows));
     }
     if local.use_mla != remote.use_mla || local.total_num_kv_heads != remote.total_num_kv_heads {
         return Err(mismatch(
