@@ -1,7 +1,7 @@
 """Prefill and decode with different block sizes in real engines (``--block-size`` per engine), hybrid-kv.
 
-On CUDA, one pair per case (module-scoped, parametrized), greedy tokens equal to the single engine's and logprobs
-within ``LOGPROB_TOL``, with each model's reference as in its own module (``test_gqa.py``: the cached context;
+One pair per case (module-scoped, parametrized), greedy tokens equal to the single engine's and logprobs within
+``LOGPROB_TOL``, with each model's reference as in its own module (``test_gqa.py``: the cached context;
 ``test_hybrid.py``: the same chunked split):
 
 - GQA, prefill blocks of 128 tokens to decode blocks of 64 (pull), and 64 to 128 (push);
@@ -12,10 +12,11 @@ within ``LOGPROB_TOL``, with each model's reference as in its own module (``test
 The prompt lengths are one past a multiple of the smaller block and cross the larger one mid-page, so the decode
 reads pages whose boundaries are not the prefill's.
 
-On the CPU, vLLM's attention pages cannot be cut into token units (K stored transposed over the block's tokens:
-``UNCUT_PAGE_BACKENDS`` in ``hybrid_kv/integrations/vllm/layout.py``); cut anyway, the GQA 128-to-64 pair answered
-every prompt with other tokens (logprobs off by up to 2). So there the one GQA pair asserts the refusal: the
-engines' kernel blocks are hashed into ``compat_hash`` and the decode refuses the prefill at the handshake.
+On the CPU, vLLM's attention stores each head's K transposed over the block's tokens (``HKTV`` pages,
+``K_TRANSPOSED_ISAS`` in ``hybrid_kv/integrations/vllm/layout.py``; ``test_cpu_attn_layout.py`` checks the layout
+against the kernel): each engine registers ``HKTV`` pages and the pages are cut into ``head_size`` K runs and one V
+run per head and common unit. (Cut as plain heads-major pages, the GQA 128-to-64 pair answered every prompt with
+other tokens, logprobs off by up to 2.)
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from pathlib import Path
 
 import pytest
 from conftest import RESULTS, RUNNING
-from engine import DEVICE, Engine, EngineError
-from pd import PdPair, compare_tokens, max_delta, pair_fixture_body, prompt
-from proxy import route
+from engine import DEVICE, Engine
+from pd import PdPair, compare_tokens, max_delta, pair_fixture_body
 from test_hybrid import CHUNK, ENGINE_ARGS, PREFILL_ARGS
 
 MAX_TOKENS = 12
@@ -63,9 +63,9 @@ CASES = {
     ),
 }
 
-ON_CPU = ("gqa-128-to-64",)  # the refusal: one pair is enough (every CPU case is refused alike)
-
-REGISTERED = re.compile(r"hybrid-kv worker \S+: \d+ regions, \d+ blocks of (\d+) tokens \((\d+)-token kernel blocks\)")
+REGISTERED = re.compile(
+    r"hybrid-kv worker \S+: \d+ regions, \d+ blocks of (\d+) tokens \((\d+)-token kernel blocks\), (\S+) pages"
+)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class BlockPair:
     pair: PdPair
 
 
-@pytest.fixture(scope="module", params=list(ON_CPU if DEVICE == "cpu" else CASES))
+@pytest.fixture(scope="module", params=list(CASES))
 def bp(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> Iterator[BlockPair]:
     case = CASES[request.param]
     for pair in pair_fixture_body(
@@ -90,36 +90,27 @@ def bp(request: pytest.FixtureRequest, models_root: Path, logs_root: Path) -> It
         yield BlockPair(case, pair)
 
 
-def _registered(e: Engine) -> tuple[int, int]:
-    """(block, kernel block) in tokens, as the engine's hybrid-kv worker registered its table."""
+def _registered(e: Engine) -> tuple[int, int, str]:
+    """(block, kernel block) in tokens and the page layout, as the engine's hybrid-kv worker registered its table."""
     m = REGISTERED.search(e.log_path.read_text(errors="replace"))
     assert m, e.tail(40)
-    return int(m.group(1)), int(m.group(2))
+    return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
 def test_engines_page_with_their_own_block_sizes(bp: BlockPair) -> None:
-    """Each engine kept its ``--block-size`` (vLLM may raise a hybrid model's); kernel blocks recorded."""
+    """Each engine kept its ``--block-size`` (vLLM may raise a hybrid model's); kernel blocks and page layouts
+    recorded (``HKTV`` on the CPU)."""
     prefill, decode = _registered(bp.pair.prefill), _registered(bp.pair.decode)
     RESULTS.setdefault("block_sizes", []).append(
         {"model": bp.case.model, "connector": bp.case.connector, "prefill": prefill, "decode": decode}
     )
     assert prefill[0] == bp.case.prefill_block
     assert decode[0] == bp.case.decode_block
-
-
-def test_cpu_attention_refuses_different_kernel_blocks(bp: BlockPair) -> None:
-    """The decode refuses the prefill at the handshake (``compat_hash``): the request fails, and nothing was
-    transferred as the wrong bytes."""
-    if DEVICE != "cpu":
-        pytest.skip("CUDA attention pages are cut into token units (test_tokens_equal_single_engine)")
-    with pytest.raises(EngineError):
-        route(bp.pair.prefill, bp.pair.decode, prompt(10, 2 * bp.case.decode_block + 1), MAX_TOKENS)
-    assert "compat_hash" in bp.pair.decode.log_path.read_text(errors="replace"), bp.pair.decode.tail(40)
+    if DEVICE == "cpu":
+        assert prefill[2] == decode[2] == "HKTV"
 
 
 def test_tokens_equal_single_engine(bp: BlockPair) -> None:
-    if DEVICE == "cpu":
-        pytest.skip("vLLM's CPU attention pages are only transferred whole (UNCUT_PAGE_BACKENDS)")
     for n, out, ref in compare_tokens(bp.pair, RESULTS, list(bp.case.lengths), MAX_TOKENS):
         want, want_lp = (
             (ref.cached_tokens, ref.cached_logprobs)

@@ -88,13 +88,33 @@ def test_compat_hash_covers_the_connector_wire_version(
 
 
 def test_compat_hash_covers_the_kernel_block_of_pages_only_transferred_whole(model_dirs: dict[str, str]) -> None:
-    """vLLM's CPU attention pages cannot be cut into token units (``UNCUT_PAGE_BACKENDS``): engines of other kernel
-    blocks hash differently; for other backends the kernel block is left to the handshake."""
+    """vLLM's CPU attention pages of an ISA whose layout hybrid-kv does not cut (``page_facts``: not in
+    ``K_TRANSPOSED_ISAS``) move whole: engines of other kernel blocks or ISAs hash differently; ``HKTV`` pages and
+    other backends leave the kernel block to the handshake."""
     vc, _, _ = build(spec("gqa", model_dirs))
 
-    def h(backend: str, kernel_block: int) -> str:
-        return compat_hash(json.dumps(layout.compat_factors(vc, "pull", backend, kernel_block), sort_keys=True))
+    def h(backend: str, kernel_block: int, isas: set[str] | None = None) -> str:
+        factors = layout.compat_factors(vc, "pull", backend, kernel_block, isas)
+        return compat_hash(json.dumps(factors, sort_keys=True))
 
-    assert h("CPU_ATTN", 64) != h("CPU_ATTN", 128)
-    assert h("CPU_ATTN,GDN_ATTN", 384) != h("CPU_ATTN,GDN_ATTN", 768)
+    assert h("CPU_ATTN", 64, {"amx"}) != h("CPU_ATTN", 128, {"amx"})
+    assert h("CPU_ATTN", 128, {"amx"}) != h("CPU_ATTN", 128, {"neon"})
+    assert h("CPU_ATTN,GDN_ATTN", 384, {"amx"}) != h("CPU_ATTN,GDN_ATTN", 768, {"amx"})
+    assert h("CPU_ATTN", 64) == h("CPU_ATTN", 128)  # HKTV pages: cut into token units
     assert h("FLASH_ATTN", 64) == h("FLASH_ATTN", 128)
+
+
+def test_cpu_attention_pages_are_hktv_for_the_kernels_that_store_k_transposed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``page_facts``: the layers' ISAs (``layer.isa``, as vLLM's CPU attention builders set it) decide; the real
+    engines' registration (``tests/engines/test_block_sizes.py``) reads them off vLLM's layers."""
+    isas: set[str] = set()
+    monkeypatch.setattr(layout, "cpu_attention_isas", lambda vc, names: isas)
+    isas.update({"vec", "vec16"})
+    assert layout.page_facts(None, [], "LBHNC", "CPU_ATTN,GDN_ATTN") == ("HKTV", None)
+    assert layout.page_facts(None, [], "LBHNC", "FLASH_ATTN") == ("LBHNC", None)
+    isas.add("amx")
+    assert layout.page_facts(None, [], "LBHNC", "CPU_ATTN") == ("LBHNC", {"vec", "vec16", "amx"})
+    isas.clear()
+    assert layout.page_facts(None, [], "LBHNC", "CPU_ATTN") == ("LBHNC", {"unknown"})

@@ -22,6 +22,7 @@ from ...torch_adapter import tensor_memory
 __all__ = [
     "CONNECTOR_WIRE_VERSION",
     "CONV_LAYOUT_ENV",
+    "K_TRANSPOSED_ISAS",
     "RankGeometry",
     "UNCUT_PAGE_BACKENDS",
     "UNKNOWN_BACKEND",
@@ -31,6 +32,7 @@ __all__ = [
     "engine_facts",
     "layer_spec",
     "logical_block_tokens",
+    "page_facts",
     "prefer_ds_conv_layout",
     "rank_table",
     "transfer_group_kinds",
@@ -210,12 +212,14 @@ def rank_table(
     tp_rank: int,
     tp_size: int,
     total_num_kv_heads: int,
+    kv_layout: str | None = None,
 ) -> tuple[RegionTable, RankGeometry]:
     """The region table of one worker from the tensors vLLM registers (layers of transfer groups only).
 
     Every layer view keeps blocks on dim 0: attention views are kernel-block granular (a manager block is
     ``ppl`` kernel blocks), SSM views one state per block. The kernel block size is read off the attention
-    views (``shape[0] / num_blocks`` kernel blocks per block).
+    views (``shape[0] / num_blocks`` kernel blocks per block). ``kv_layout`` (``page_facts``) is checked
+    against the page order the views' strides show.
     """
     groups = list(kv_cache_config.transfer_groups)
     if not groups:
@@ -268,6 +272,7 @@ def rank_table(
             tp_rank=tp_rank,
             tp_size=tp_size,
             total_num_kv_heads=total_num_kv_heads,
+            kv_layout=kv_layout,
         )
     )
     geo = RankGeometry(logical_block_size, logical_block_size // ppl, num_blocks, mem_types.pop())
@@ -319,25 +324,61 @@ def engine_facts(vllm_config: Any, layer_names: list[str]) -> tuple[str, str]:
 
 
 UNCUT_PAGE_BACKENDS = frozenset({"CPU_ATTN"})
-"""Attention backends whose kernel pages are not ``[heads, tokens, cell]`` inside, so no token range of a page is
-a byte range: vLLM's CPU attention (``cpu_attn.py``) views its ``[blocks, heads, tokens, 2 * head_size]`` cache
-as each head's K rows then V rows, and its kernel (``cpu_attn_reshape_and_cache``) stores K transposed, element
-by element over the block's tokens (seen with the ``vec`` ISA: K element ``e`` of token ``t`` of a 64-token block
-at ``e * 64 + t``). A page is then only ever transferred whole, so peers must use the same kernel block: it is
-hashed into ``compat_hash`` (``compat_factors``), and engines of different kernel blocks refuse each other at
-the handshake instead of cutting such pages into token units of the wrong bytes."""
+"""Attention backends whose kernel pages are not ``[heads, tokens, cell]`` inside: vLLM's CPU attention
+(``cpu_attn.py``) views its ``[blocks, heads, tokens, 2 * head_size]`` cache as each head's K rows then V rows, and
+its kernel (``cpu_attn_reshape_and_cache``) lays K out per ISA (``layer.isa``). With the kernels of
+``K_TRANSPOSED_ISAS`` the pages are ``HKTV`` (``page_layout_name``) and are cut into token units like any other;
+with any other ISA (``amx``, ``neon``...: a layout not probed) a page is only ever transferred whole, so peers must
+use the same kernel block and ISA: both are hashed into ``compat_hash`` (``compat_factors``), and such engines of
+different kernel blocks refuse each other at the handshake instead of cutting pages into units of the wrong
+bytes."""
+
+K_TRANSPOSED_ISAS = frozenset({"vec", "vec16"})
+"""vLLM CPU attention kernels whose pages are ``HKTV``: K element ``e`` of token ``t`` of a head at ``e * block +
+t``, its V at ``block * head_size + t * head_size + e`` (``tests/engines/test_cpu_attn_layout.py`` writes keys and
+values through vLLM's own ``cpu_attn_reshape_and_cache`` with each of them and checks every element's place)."""
+
+
+def cpu_attention_isas(vllm_config: Any, layer_names: list[str]) -> set[str]:
+    """The ISAs vLLM's CPU attention builders gave the registered attention layers (``layer.isa``, set before the
+    connector registers the caches); empty where no layer has one."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    return {str(isa) for layer in layers.values() if (isa := getattr(layer, "isa", None)) is not None}
+
+
+def page_facts(
+    vllm_config: Any, layer_names: list[str], kv_layout: str, attn_backend: str
+) -> tuple[str, set[str] | None]:
+    """``(layout, whole_pages_isas)`` of this engine's attention pages: the layout name they are planned and
+    advertised with, ``HKTV`` where vLLM's CPU attention runs every registered attention layer with a kernel of
+    ``K_TRANSPOSED_ISAS``, else ``kv_layout`` (what vLLM resolved, ``engine_facts``); and the ISAs of CPU attention
+    pages only transferred whole (``None`` for pages cut as their layout says; ``{"unknown"}`` where no layer
+    names its ISA)."""
+    if not UNCUT_PAGE_BACKENDS & set(attn_backend.split(",")):
+        return kv_layout, None
+    isas = cpu_attention_isas(vllm_config, layer_names)
+    if isas and isas <= K_TRANSPOSED_ISAS:
+        return "HKTV", None
+    return kv_layout, isas or {"unknown"}
 
 
 def compat_factors(
-    vllm_config: Any, mode: str, attn_backend: str | None = None, kernel_block_size: int | None = None
+    vllm_config: Any,
+    mode: str,
+    attn_backend: str | None = None,
+    kernel_block_size: int | None = None,
+    whole_pages_isas: set[str] | None = None,
 ) -> dict[str, Any]:
     """The model factors both engines must share (hashed into the handshake's ``compat_hash``).
 
     ``attn_backend``: the registered layers' backends (``engine_facts``; every attention layer's when None),
     hashed with vLLM's version. The connector's wire version is the ``connector`` factor. TP size, block sizes
-    and layouts are not hashed: the handshake validates them, except the kernel block of backends whose pages are
-    only transferred whole (``UNCUT_PAGE_BACKENDS``; ``kernel_block_size``, when given, in the ``attn_backend``
-    factor).
+    and layouts are not hashed: the handshake validates them, except for pages only transferred whole
+    (``UNCUT_PAGE_BACKENDS`` with ISAs outside ``K_TRANSPOSED_ISAS``: ``whole_pages_isas``, given with
+    ``kernel_block_size``), whose kernel block and ISAs are in the ``attn_backend`` factor.
     """
     from vllm import __version__ as vllm_version
 
@@ -346,7 +387,7 @@ def compat_factors(
     spec = vllm_config.speculative_config
     speculative = [] if spec is None else [f"method={spec.method}", f"model={getattr(spec, 'model', None)}"]
     backend = attn_backend or attention_backends(vllm_config)
-    whole = kernel_block_size is not None and bool(UNCUT_PAGE_BACKENDS & set(backend.split(",")))
+    whole = kernel_block_size is not None and whole_pages_isas is not None
     return {
         "model": str(mc.model),
         "dtype": str(mc.dtype),
@@ -354,7 +395,8 @@ def compat_factors(
         "total_num_kv_heads": int(mc.get_total_num_kv_heads()),
         "head_size": int(mc.get_head_size()),
         "num_hidden_layers": int(mc.get_total_num_hidden_layers()),
-        "attn_backend": f"{backend}@vllm-{vllm_version}" + (f" whole {kernel_block_size}-token pages" if whole else ""),
+        "attn_backend": f"{backend}@vllm-{vllm_version}"
+        + (f" whole {kernel_block_size}-token pages ({','.join(sorted(whole_pages_isas or ()))})" if whole else ""),
         "hma": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "speculative": speculative,
         "transfer_mode": mode,

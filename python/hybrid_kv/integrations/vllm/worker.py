@@ -40,7 +40,7 @@ from ...transport import Endpoint, TransferError
 from ...transport.auth import resolve_secret
 from ...verify import Digester, MirrorCache
 from .claim_server import ClaimServer
-from .layout import compat_factors, engine_facts, rank_table
+from .layout import compat_factors, engine_facts, page_facts, rank_table
 from .links import Links
 from .metadata import HybridKvMetadata
 from .outbox import Outbox
@@ -101,12 +101,19 @@ class WorkerHalf:
         cfg = self.cfg
         mc = self.vllm_config.model_config
         total_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
-        table, geometry = rank_table(
-            kv_caches, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size, total_num_kv_heads=total_heads
-        )
-        # what vLLM applied (the layout it allocated with, the registered layers' backends), as NixlConnector reads it
+        # what vLLM applied (the layout it allocated with, the registered layers' backends), as NixlConnector reads
+        # it, and what its CPU attention kernels store inside a page
         kv_layout, attn_backend = engine_facts(self.vllm_config, list(kv_caches))
-        factors = compat_factors(self.vllm_config, cfg.mode, attn_backend, geometry.kernel_block_size)
+        kv_layout, whole_pages_isas = page_facts(self.vllm_config, list(kv_caches), kv_layout, attn_backend)
+        table, geometry = rank_table(
+            kv_caches,
+            self.kv_cache_config,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            total_num_kv_heads=total_heads,
+            kv_layout=kv_layout,
+        )
+        factors = compat_factors(self.vllm_config, cfg.mode, attn_backend, geometry.kernel_block_size, whole_pages_isas)
         info = {
             "engine_id": self.engine_id,
             "agent_metadata": [],
@@ -155,13 +162,19 @@ class WorkerHalf:
         self.claims = ClaimServer(reg, self.leases)
         self.push_recv = PushRecv(reg)
         self.push_send = PushSend(reg, self.leases, self.links)
+        whole = (
+            "" if whole_pages_isas is None else f" moved whole (CPU attention ISA {','.join(sorted(whole_pages_isas))})"
+        )
         log.info(
-            "hybrid-kv worker %s: %d regions, %d blocks of %d tokens (%d-token kernel blocks), side channel %s",
+            "hybrid-kv worker %s: %d regions, %d blocks of %d tokens (%d-token kernel blocks), %s pages%s, "
+            "side channel %s",
             self.name,
             table.num_regions,
             geometry.num_logical_blocks,
             geometry.logical_block_size,
             geometry.kernel_block_size,
+            kv_layout,
+            whole,
             ep.address,
         )
         if cfg.mode == "push" and cfg.stream:
