@@ -7,7 +7,9 @@ A GQA model of 48 layers, 8 KV heads of 128 bf16 elements, 16-token pages, 4096 
 pulls from prefill TP 2 (each prefill rank holds half the heads). For each case: the ``PeerPlan`` build
 (tables, once per peer engine), then ``plan()`` of contiguous and scattered requests of 64, 512 and 2048 blocks,
 coalesced (the default) and reference, with the id pairs each plan posts. Median of the timed calls. The
-head-granular case gives the decode 8-token kernel blocks (two per 16-token block) against the prefill's 16.
+head-granular case gives the decode 8-token kernel blocks (two per 16-token block) against the prefill's 16; so
+does the ``HKTV`` case (vLLM's CPU attention pages: each head's K transposed, so a head's unit is ``HEAD_DIM`` K
+runs and one V run).
 Run: ``PYTHONPATH=python python benches/head_slices.py``.
 """
 
@@ -76,6 +78,7 @@ def main() -> None:
         ("HND", TOKENS, "page-granular"),
         ("NHD", TOKENS, "token-granular"),
         ("HND", TOKENS // 2, "head-granular, decode kernel blocks of 8 tokens"),
+        ("HKTV", TOKENS // 2, "K-transposed pieces, decode kernel blocks of 8 tokens"),
     )
     for order, kernel, what in cases:
         decode, own = rank(order, 1, 0, "decode", kernel)
