@@ -373,7 +373,8 @@ fn hktv_k_rows_a_peer_lies_about_are_refused() {
     let huge = lie(&case, |m| m.k_rows = 1 << 40);
     match decode(&encode(&huge[0]).unwrap()) {
         Err(HandshakeError::Invalid(f)) => assert!(
-            f.iter().any(|f| f.check == "k_rows" && f.to_string().contains("1099511627776")),
+            f.iter()
+                .any(|f| f.check == "k_rows" && f.to_string().contains("1099511627776")),
             "{f:?}"
         ),
         other => panic!("decoded {other:?}"),
@@ -382,9 +383,15 @@ fn hktv_k_rows_a_peer_lies_about_are_refused() {
     let other = lie(&case, |m| m.k_rows = 4);
     assert!(checks(&case.local_meta(), &other[0]).contains(&"k_rows".to_string()));
     let err = PeerPlan::new(&case.local, &other, case.mode).unwrap_err().to_string();
-    assert!(err.contains("K rows of HKTV pages") && err.contains("local 8") && err.contains("remote 4"), "{err}");
+    assert!(
+        err.contains("K rows of HKTV pages") && err.contains("local 8") && err.contains("remote 4"),
+        "{err}"
+    );
     // HKTV without K rows, or K rows on another layout, is malformed
     for m in [lie(&case, |m| m.k_rows = 0), lie(&case, |m| m.kv_layout = "HND".into())] {
-        assert!(matches!(decode(&encode(&m[0]).unwrap()), Err(HandshakeError::Invalid(_))));
+        assert!(matches!(
+            decode(&encode(&m[0]).unwrap()),
+            Err(HandshakeError::Invalid(_))
+        ));
     }
 }
