@@ -5,11 +5,12 @@
 //! checked to lie inside one region of the table it is called on (the memory the caller registered, host
 //! memory only), hashed in move order with the GIL released. The core still never dereferences an address.
 
+use std::hash::Hasher;
 use std::sync::Arc;
 
 use numpy::{PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use xxhash_rust::xxh3::Xxh3;
+use twox_hash::XxHash3_64;
 
 use super::arrays::u64_matrix;
 use super::errors::{no_panic, Error, Kind};
@@ -72,17 +73,17 @@ fn xxh3_ranges(ranges: &[(u64, u64)]) -> u64 {
     } else {
         (0..segments).map(one).collect()
     };
-    let mut h = Xxh3::new();
-    h.update(&total.to_le_bytes());
+    let mut h = XxHash3_64::new();
+    h.write(&total.to_le_bytes());
     for d in &digests {
-        h.update(&d.to_le_bytes());
+        h.write(&d.to_le_bytes());
     }
-    h.digest()
+    h.finish()
 }
 
 /// XXH3-64 of the stream's bytes `[from, to)` (`starts`: each range's offset in the stream).
 fn segment_digest(ranges: &[(u64, u64)], starts: &[u64], from: u64, to: u64) -> u64 {
-    let mut h = Xxh3::new();
+    let mut h = XxHash3_64::new();
     let mut i = starts.partition_point(|&s| s <= from).saturating_sub(1);
     let mut at = from;
     while at < to && i < ranges.len() {
@@ -96,12 +97,12 @@ fn segment_digest(ranges: &[(u64, u64)], starts: &[u64], from: u64, to: u64) -> 
             // only read; a concurrent writer (a fault the digest exists to catch) can only change the result.
             let bytes =
                 unsafe { std::slice::from_raw_parts((addr + begin) as usize as *const u8, (end - begin) as usize) };
-            h.update(bytes);
+            h.write(bytes);
             at = starts[i] + end;
         }
         i += 1;
     }
-    h.digest()
+    h.finish()
 }
 
 /// `RegionTable.digest`: see the method's documentation in `region.rs`.
