@@ -121,15 +121,23 @@ pub(super) fn filler_rows(p: Pages<'_>, count: u64) -> Result<Vec<StridedRow>, P
             count,
         )?;
     }
-    Ok((0..count)
-        .map(|j| StridedRow {
-            addr: p.base + j * len, // inside the page
-            len,
-            device: p.device,
-            stride: p.block_stride,
-            count: p.num_blocks,
+    (0..count)
+        .map(|j| {
+            // j * len < block_len: inside the page
+            let addr = p.base.checked_add(j * len).ok_or_else(|| PlanError::AddressOverflow {
+                what: format!("region {}", p.name),
+                addr: p.base,
+                len: j * len,
+            })?;
+            Ok(StridedRow {
+                addr,
+                len,
+                device: p.device,
+                stride: p.block_stride,
+                count: p.num_blocks,
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// The local table cut into per-head pieces for the heads of remote slot `slot` (slot 0 holds heads `[0, hp)`):
