@@ -280,14 +280,12 @@ fn regions(local: &AgentMeta, remote: &AgentMeta, overlapping: bool, add: &mut A
         rk.total_num_kv_heads.to_string(),
         "",
     );
-    if local.k_rows != remote.k_rows {
-        diff(
-            "k_rows",
-            local.k_rows.to_string(),
-            remote.k_rows.to_string(),
-            "HKTV pages must hold K heads of the same elements on both sides",
-        );
-    }
+    diff(
+        "k_rows",
+        local.k_rows.to_string(),
+        remote.k_rows.to_string(),
+        "HKTV pages must hold K heads of the same elements on both sides",
+    );
     if !local.use_mla && local.groups.contains(&GroupKind::Attention) && order(local) != order(remote) {
         add(
             "kv_layout",

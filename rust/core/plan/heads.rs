@@ -32,6 +32,30 @@ pub(super) struct Pages<'a> {
     pub(super) device: u64,
 }
 
+impl Pages<'_> {
+    /// The row of `len` bytes at `offset` in every kernel block of the region.
+    ///
+    /// # Errors
+    /// `AddressOverflow` when the row's first address wraps.
+    fn row(&self, offset: u64, len: u64) -> Result<StridedRow, PlanError> {
+        let addr = self
+            .base
+            .checked_add(offset)
+            .ok_or_else(|| PlanError::AddressOverflow {
+                what: format!("region {}", self.name),
+                addr: self.base,
+                len: offset,
+            })?;
+        Ok(StridedRow {
+            addr,
+            len,
+            device: self.device,
+            stride: self.block_stride,
+            count: self.num_blocks,
+        })
+    }
+}
+
 /// The rows of a region's pieces: heads `[first, first + hp)` of every kernel block of `heads` heads, each cut
 /// into `sub` units, in id order (one row per head, part and unit, one descriptor per kernel block). A head's
 /// unit is one part, or for `HKTV` pages (`k_rows` > 0: K stored `[k_rows, tokens]`, then V `[tokens, k_rows]`)
@@ -81,28 +105,11 @@ pub(super) fn piece_rows(
             remote: heads.to_string(),
         });
     }
-    let overflow = || PlanError::AddressOverflow {
-        what: format!("region {}", p.name),
-        addr: p.base,
-        len: first.saturating_add(hp).saturating_mul(head_bytes),
-    };
     let parts = &parts;
     (first..first + hp)
         .flat_map(|h| parts.iter().flat_map(move |&part| (0..sub).map(move |j| (h, part, j))))
-        .map(|(h, (offset, step, len), j)| {
-            // inside the page: (h, part, j) < (heads, parts, sub), so the offset is below `block_len`
-            let addr = p
-                .base
-                .checked_add(h * head_bytes + offset + j * step)
-                .ok_or_else(overflow)?;
-            Ok(StridedRow {
-                addr,
-                len,
-                device: p.device,
-                stride: p.block_stride,
-                count: p.num_blocks,
-            })
-        })
+        // inside the page: (h, part, j) < (heads, parts, sub), so the offset is below `block_len`
+        .map(|(h, (offset, step, len), j)| p.row(h * head_bytes + offset + j * step, len))
         .collect()
 }
 
@@ -115,29 +122,14 @@ pub(super) fn piece_rows(
 pub(super) fn filler_rows(p: Pages<'_>, count: u64) -> Result<Vec<StridedRow>, PlanError> {
     let len = p.block_len / count.max(1);
     if len == 0 {
-        exact_div(
-            || format!("kernel page of region {} per descriptor", p.name),
-            p.block_len,
-            count,
-        )?;
+        return Err(PlanError::Indivisible {
+            what: format!("kernel page of region {} per descriptor", p.name),
+            value: p.block_len,
+            by: count,
+        });
     }
-    (0..count)
-        .map(|j| {
-            // j * len < block_len: inside the page
-            let addr = p.base.checked_add(j * len).ok_or_else(|| PlanError::AddressOverflow {
-                what: format!("region {}", p.name),
-                addr: p.base,
-                len: j * len,
-            })?;
-            Ok(StridedRow {
-                addr,
-                len,
-                device: p.device,
-                stride: p.block_stride,
-                count: p.num_blocks,
-            })
-        })
-        .collect()
+    // j * len < block_len: inside the page
+    (0..count).map(|j| p.row(j * len, len)).collect()
 }
 
 /// The local table cut into per-head pieces for the heads of remote slot `slot` (slot 0 holds heads `[0, hp)`):

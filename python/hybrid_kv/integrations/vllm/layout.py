@@ -327,7 +327,7 @@ UNCUT_PAGE_BACKENDS = frozenset({"CPU_ATTN"})
 """Attention backends whose kernel pages are not ``[heads, tokens, cell]`` inside: vLLM's CPU attention
 (``cpu_attn.py``) views its ``[blocks, heads, tokens, 2 * head_size]`` cache as each head's K rows then V rows, and
 its kernel (``cpu_attn_reshape_and_cache``) lays K out per ISA (``layer.isa``). With the kernels of
-``K_TRANSPOSED_ISAS`` the pages are ``HKTV`` (``page_layout_name``) and are cut into token units like any other;
+``K_TRANSPOSED_ISAS`` the pages are ``HKTV`` (``page_facts``) and are cut into token units like any other;
 with any other ISA (``amx``, ``neon``...: a layout not probed) a page is only ever transferred whole, so peers must
 use the same kernel block and ISA: both are hashed into ``compat_hash`` (``compat_factors``), and such engines of
 different kernel blocks refuse each other at the handshake instead of cutting pages into units of the wrong

@@ -103,8 +103,9 @@ class WorkerHalf:
         total_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
         # what vLLM applied (the layout it allocated with, the registered layers' backends), as NixlConnector reads
         # it, and what its CPU attention kernels store inside a page
-        kv_layout, attn_backend = engine_facts(self.vllm_config, list(kv_caches))
-        kv_layout, whole_pages_isas = page_facts(self.vllm_config, list(kv_caches), kv_layout, attn_backend)
+        names = list(kv_caches)
+        kv_layout, attn_backend = engine_facts(self.vllm_config, names)
+        kv_layout, whole_pages_isas = page_facts(self.vllm_config, names, kv_layout, attn_backend)
         table, geometry = rank_table(
             kv_caches,
             self.kv_cache_config,
